@@ -1,0 +1,339 @@
+// context.c - an inference context: KV cache, compute buffers, the decode loop
+// (batched prompt processing and single-token decode) and the logits it produces.
+#include "powerinfer-impl.h"
+
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PI_DEFAULT_N_BATCH 512u
+#define PI_MAX_N_CTX       (1u << 22)
+
+static int32_t default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int32_t) n : 1;
+}
+
+struct powerinfer_context_params powerinfer_context_default_params(void) {
+    struct powerinfer_context_params p = {
+        .n_ctx           = 512,
+        .n_batch         = PI_DEFAULT_N_BATCH,
+        .seed            = 0xFFFFFFFFu,
+        .n_threads       = 0,
+        .n_threads_batch = 0,
+        .flash_attn      = false,
+    };
+    return p;
+}
+
+// Builds the graph for one chunk into the context's graph memory.
+static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const struct pi_graph_params * gp,
+                                        struct pi_graph_inputs * in) {
+    struct ggml_init_params ip = {
+        .mem_size   = ctx->graph_buf_size,
+        .mem_buffer = ctx->graph_buf,
+        .no_alloc   = true,
+    };
+    struct ggml_context * gctx = ggml_init(ip);
+    if (!gctx) {
+        return NULL;
+    }
+    struct ggml_cgraph * gf = pi_build_graph(gctx, ctx->model, &ctx->kv, gp, in);
+    // The graph lives in graph_buf; the ggml_context header itself can go.
+    ggml_free(gctx);
+    return gf;
+}
+
+static int32_t reserve_compute(struct powerinfer_context * ctx) {
+    struct pi_graph_params gp = {
+        .n_tokens   = (int32_t) ctx->params.n_batch,
+        .pos0       = 0,
+        .n_kv       = (int32_t) ctx->kv.size,
+        .n_outputs  = (int32_t) ctx->params.n_batch,
+        .flash_attn = ctx->params.flash_attn,
+    };
+    struct pi_graph_inputs in;
+    struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
+    if (!gf || !ggml_gallocr_reserve(ctx->galloc, gf)) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve compute buffers for n_batch=%u, n_ctx=%u",
+                       ctx->params.n_batch, ctx->kv.size);
+    }
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: compute buffer %.1f MiB, KV cache %.1f MiB\n",
+           ggml_gallocr_get_buffer_size(ctx->galloc, 0) / 1048576.0,
+           ggml_backend_buffer_get_size(ctx->kv.buf) / 1048576.0);
+    return POWERINFER_OK;
+}
+
+struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * model, struct powerinfer_context_params params) {
+    pi_clear_error();
+    if (!model) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_context_new: model is NULL");
+        return NULL;
+    }
+    if (params.n_ctx == 0) {
+        params.n_ctx = (uint32_t) model->hp.n_ctx_train;
+    }
+    if (params.n_ctx > PI_MAX_N_CTX) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "n_ctx = %u is larger than the supported maximum %u", params.n_ctx, PI_MAX_N_CTX);
+        return NULL;
+    }
+    if (params.n_batch == 0) {
+        params.n_batch = PI_DEFAULT_N_BATCH;
+    }
+    if (params.n_batch > params.n_ctx) {
+        params.n_batch = params.n_ctx;
+    }
+    if (params.n_threads <= 0) {
+        params.n_threads = model->params.n_threads > 0 ? model->params.n_threads : default_threads();
+    }
+    if (params.n_threads_batch <= 0) {
+        params.n_threads_batch = params.n_threads;
+    }
+
+    struct powerinfer_context * ctx = calloc(1, sizeof(*ctx));
+    if (!ctx) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        return NULL;
+    }
+    ctx->model  = model;
+    ctx->params = params;
+    ctx->graph_buf_size = ggml_tensor_overhead() * PI_GRAPH_MAX_NODES + ggml_graph_overhead_custom(PI_GRAPH_MAX_NODES, false);
+    ctx->graph_buf      = malloc(ctx->graph_buf_size);
+    ctx->backend        = ggml_backend_cpu_init();
+    ctx->galloc         = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
+        powerinfer_context_free(ctx);
+        return NULL;
+    }
+    if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, !params.flash_attn) != POWERINFER_OK ||
+        reserve_compute(ctx) != POWERINFER_OK) {
+        powerinfer_context_free(ctx);
+        return NULL;
+    }
+    ctx->timings.t_load_ms = model->t_load_ms;
+    return ctx;
+}
+
+void powerinfer_context_free(struct powerinfer_context * ctx) {
+    if (!ctx) {
+        return;
+    }
+    pi_kv_cache_free(&ctx->kv);
+    if (ctx->galloc)  ggml_gallocr_free(ctx->galloc);
+    if (ctx->backend) ggml_backend_free(ctx->backend);
+    free(ctx->graph_buf);
+    free(ctx->scratch);
+    free(ctx->logits);
+    free(ctx);
+}
+
+uint32_t powerinfer_n_ctx(const struct powerinfer_context * ctx)   { return ctx->kv.size; }
+uint32_t powerinfer_n_batch(const struct powerinfer_context * ctx) { return ctx->params.n_batch; }
+
+void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads, int32_t n_threads_batch) {
+    if (n_threads > 0)       ctx->params.n_threads = n_threads;
+    if (n_threads_batch > 0) ctx->params.n_threads_batch = n_threads_batch;
+}
+
+static int32_t ensure_logits(struct powerinfer_context * ctx, int32_t rows) {
+    if (rows <= ctx->logits_capacity) {
+        return POWERINFER_OK;
+    }
+    float * p = realloc(ctx->logits, (size_t) rows * ctx->model->hp.n_vocab * sizeof(float));
+    if (!p) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate logits for %d tokens", rows);
+    }
+    ctx->logits          = p;
+    ctx->logits_capacity = rows;
+    return POWERINFER_OK;
+}
+
+static int32_t ensure_scratch(struct powerinfer_context * ctx, size_t bytes) {
+    if (bytes <= ctx->scratch_size) {
+        return POWERINFER_OK;
+    }
+    float * p = realloc(ctx->scratch, bytes);
+    if (!p) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %zu bytes of scratch", bytes);
+    }
+    ctx->scratch      = p;
+    ctx->scratch_size = bytes;
+    return POWERINFER_OK;
+}
+
+// Causal mask: token i (at position pos0 + i) sees cells [0, pos0 + i].
+static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * mask, int32_t pos0, int32_t n_tokens, int32_t n_kv) {
+    const size_t n = (size_t) n_kv * n_tokens;
+    int32_t rc = ensure_scratch(ctx, n * sizeof(float));
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    if (mask->type == GGML_TYPE_F16) {
+        ggml_fp16_t * m = (ggml_fp16_t *) ctx->scratch;
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            for (int32_t j = 0; j < n_kv; ++j) {
+                m[(size_t) i * n_kv + j] = j <= pos0 + i ? zero : ninf;
+            }
+        }
+    } else {
+        float * m = ctx->scratch;
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            for (int32_t j = 0; j < n_kv; ++j) {
+                m[(size_t) i * n_kv + j] = j <= pos0 + i ? 0.0f : -INFINITY;
+            }
+        }
+    }
+    ggml_backend_tensor_set(mask, ctx->scratch, 0, ggml_nbytes(mask));
+    return POWERINFER_OK;
+}
+
+// Computes one chunk of at most n_batch tokens; writes n_outputs rows of logits to out.
+static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens,
+                            int32_t pos0, int32_t n_outputs, float * out) {
+    struct pi_graph_params gp = {
+        .n_tokens   = n_tokens,
+        .pos0       = pos0,
+        .n_kv       = pos0 + n_tokens,
+        .n_outputs  = n_outputs,
+        .flash_attn = ctx->params.flash_attn,
+    };
+    struct pi_graph_inputs in;
+    struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
+    if (!gf) {
+        return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+    }
+    if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+    }
+
+    ggml_backend_tensor_set(in.tokens, tokens, 0, (size_t) n_tokens * sizeof(int32_t));
+    int32_t rc = ensure_scratch(ctx, (size_t) n_tokens * sizeof(int32_t));
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    int32_t * ids = (int32_t *) ctx->scratch;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        ids[i] = pos0 + i;
+    }
+    ggml_backend_tensor_set(in.pos, ids, 0, (size_t) n_tokens * sizeof(int32_t));
+    if (in.out_ids) {
+        // Outputs are always the last n_outputs rows of the chunk.
+        for (int32_t i = 0; i < n_outputs; ++i) {
+            ids[i] = n_tokens - n_outputs + i;
+        }
+        ggml_backend_tensor_set(in.out_ids, ids, 0, (size_t) n_outputs * sizeof(int32_t));
+    }
+    if ((rc = set_mask(ctx, in.kq_mask, pos0, n_tokens, gp.n_kv)) != POWERINFER_OK) {
+        return rc;
+    }
+
+    ggml_backend_cpu_set_n_threads(ctx->backend, n_tokens > 1 ? ctx->params.n_threads_batch : ctx->params.n_threads);
+    enum ggml_status st = ggml_backend_graph_compute(ctx->backend, gf);
+    if (st != GGML_STATUS_SUCCESS) {
+        return pi_fail(POWERINFER_ERR_INTERNAL, "graph computation failed (ggml status %d)", (int) st);
+    }
+    if (out) {
+        ggml_backend_tensor_get(in.logits, out, 0, (size_t) n_outputs * ctx->model->hp.n_vocab * sizeof(float));
+    }
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_token * tokens,
+                          int32_t n_tokens, int32_t pos, bool logits_all) {
+    pi_clear_error();
+    if (!ctx || !tokens || n_tokens <= 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: no tokens given");
+    }
+    if (pos < 0 || pos > ctx->kv.n_pos) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: position %d is outside [0, %d] (cached positions)",
+                       pos, ctx->kv.n_pos);
+    }
+    if ((int64_t) pos + n_tokens > (int64_t) ctx->kv.size) {
+        return pi_fail(POWERINFER_ERR_CONTEXT_FULL,
+                       "context window exceeded: %d cached + %d new tokens > n_ctx = %u",
+                       pos, n_tokens, ctx->kv.size);
+    }
+    const int32_t n_vocab = ctx->model->hp.n_vocab;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "token %d at index %d is out of range [0, %d)", tokens[i], i, n_vocab);
+        }
+    }
+    int32_t rc = ensure_logits(ctx, logits_all ? n_tokens : 1);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+
+    const double t0 = pi_time_ms();
+    ctx->kv.n_pos  = pos;
+    ctx->n_outputs = 0;
+    const int32_t n_batch = (int32_t) ctx->params.n_batch;
+    for (int32_t done = 0; done < n_tokens; ) {
+        const int32_t n    = n_tokens - done < n_batch ? n_tokens - done : n_batch;
+        const bool    last = done + n == n_tokens;
+        // Chunks before the last compute one throw-away output row unless every row is wanted.
+        const int32_t n_out = logits_all ? n : 1;
+        float * out = logits_all ? ctx->logits + (size_t) done * n_vocab : (last ? ctx->logits : NULL);
+        rc = decode_chunk(ctx, tokens + done, n, pos + done, n_out, out);
+        if (rc != POWERINFER_OK) {
+            return rc;
+        }
+        done += n;
+        ctx->kv.n_pos = pos + done;
+    }
+    ctx->n_outputs = logits_all ? n_tokens : 1;
+
+    const double dt = pi_time_ms() - t0;
+    if (n_tokens > 1) {
+        ctx->timings.t_prompt_ms += dt;
+        ctx->timings.n_prompt    += n_tokens;
+    } else {
+        ctx->timings.t_eval_ms += dt;
+        ctx->timings.n_eval    += 1;
+    }
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_n_outputs(const struct powerinfer_context * ctx) {
+    return ctx->n_outputs;
+}
+
+float * powerinfer_get_logits_ith(struct powerinfer_context * ctx, int32_t i) {
+    if (i < 0) {
+        i += ctx->n_outputs;
+    }
+    if (i < 0 || i >= ctx->n_outputs) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "logits row %d is out of range (%d rows)", i, ctx->n_outputs);
+        return NULL;
+    }
+    return ctx->logits + (size_t) i * ctx->model->hp.n_vocab;
+}
+
+int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx) {
+    return ctx->kv.n_pos;
+}
+
+int32_t powerinfer_kv_truncate(struct powerinfer_context * ctx, int32_t n_keep) {
+    if (n_keep < 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_kv_truncate: n_keep = %d is negative", n_keep);
+    }
+    if (n_keep < ctx->kv.n_pos) {
+        ctx->kv.n_pos = n_keep;
+    }
+    return POWERINFER_OK;
+}
+
+struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx) {
+    return ctx->timings;
+}
+
+void powerinfer_reset_timings(struct powerinfer_context * ctx) {
+    double t_load = ctx->timings.t_load_ms;
+    memset(&ctx->timings, 0, sizeof(ctx->timings));
+    ctx->timings.t_load_ms = t_load;
+}

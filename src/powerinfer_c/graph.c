@@ -1,0 +1,153 @@
+// graph.c - builds the dense forward graph of a llama-family decoder (llama, qwen2)
+// for one batch of tokens, in the same op order as llama.cpp so results agree.
+#include "powerinfer-impl.h"
+
+#include <math.h>
+
+// RMSNorm followed by the learned scale.
+static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_tensor * x,
+                                       struct ggml_tensor * w, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
+}
+
+// x: [n_embd, n_tokens] -> [n_embd, n_tokens]
+static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct pi_layer * l,
+                                      enum pi_ffn_act act, struct ggml_tensor * x) {
+    struct ggml_tensor * up  = ggml_mul_mat(ctx, l->ffn_up, x);
+    struct ggml_tensor * cur = NULL;
+    if (l->ffn_gate) {
+        struct ggml_tensor * gate = ggml_mul_mat(ctx, l->ffn_gate, x);
+        switch (act) {
+            case PI_ACT_SILU: cur = ggml_swiglu_split(ctx, gate, up); break;
+            case PI_ACT_RELU: cur = ggml_reglu_split(ctx, gate, up);  break;
+            case PI_ACT_GELU: cur = ggml_geglu_split(ctx, gate, up);  break;
+        }
+    } else {
+        switch (act) {
+            case PI_ACT_SILU: cur = ggml_silu(ctx, up); break;
+            case PI_ACT_RELU: cur = ggml_relu(ctx, up); break;
+            case PI_ACT_GELU: cur = ggml_gelu(ctx, up); break;
+        }
+    }
+    return ggml_mul_mat(ctx, l->ffn_down, cur);
+}
+
+// Writes this batch's K and V into the cache and attends over cells [0, n_kv).
+// q, k, v: [n_embd_head, n_head(_kv), n_tokens]; result: [n_embd_head*n_head, n_tokens]
+static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cgraph * gf,
+                                       const struct pi_hparams * hp, const struct pi_kv_cache * kv, int il,
+                                       const struct pi_graph_params * gp, struct ggml_tensor * kq_mask,
+                                       struct ggml_tensor * q, struct ggml_tensor * k, struct ggml_tensor * v) {
+    const int64_t n_tokens  = gp->n_tokens;
+    const int64_t head      = hp->n_embd_head;
+    const int64_t n_embd_kv = head * hp->n_head_kv;
+    struct ggml_tensor * kc = kv->k[il];
+    struct ggml_tensor * vc = kv->v[il];
+
+    // Store. The copies are expanded into the graph first so they run before the reads below.
+    struct ggml_tensor * k_dst = ggml_view_2d(ctx, kc, n_embd_kv, n_tokens, kc->nb[1], (size_t) gp->pos0 * kc->nb[1]);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_embd_kv, n_tokens), k_dst));
+    struct ggml_tensor * v2 = ggml_reshape_2d(ctx, v, n_embd_kv, n_tokens);
+    if (kv->v_trans) {
+        struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n_tokens, n_embd_kv, vc->nb[1],
+                                                  (size_t) gp->pos0 * ggml_element_size(vc));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v2), v_dst));
+    } else {
+        struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n_embd_kv, n_tokens, vc->nb[1], (size_t) gp->pos0 * vc->nb[1]);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, v2, v_dst));
+    }
+
+    const float kq_scale = 1.0f / sqrtf((float) head);
+    struct ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [head, n_tokens, n_head]
+    struct ggml_tensor * kk = ggml_view_3d(ctx, kc, head, gp->n_kv, hp->n_head_kv,
+                                           kc->nb[1], ggml_row_size(kc->type, head), 0);
+    struct ggml_tensor * cur;
+    if (gp->flash_attn) {
+        struct ggml_tensor * vv = ggml_view_3d(ctx, vc, head, gp->n_kv, hp->n_head_kv,
+                                               vc->nb[1], ggml_row_size(vc->type, head), 0);
+        cur = ggml_flash_attn_ext(ctx, qp, kk, vv, kq_mask, kq_scale, 0.0f, 0.0f);
+        ggml_prec_set_acc(cur, GGML_PREC_F32);
+        cur = ggml_reshape_2d(ctx, cur, head * hp->n_head, n_tokens);
+    } else {
+        struct ggml_tensor * kq = ggml_mul_mat(ctx, kk, qp);  // [n_kv, n_tokens, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(ctx, kq, kq_mask, kq_scale, 0.0f);
+        struct ggml_tensor * vv = ggml_view_3d(ctx, vc, gp->n_kv, head, hp->n_head_kv,
+                                               vc->nb[1], vc->nb[1] * head, 0);
+        struct ggml_tensor * kqv = ggml_mul_mat(ctx, vv, kq);  // [head, n_tokens, n_head]
+        cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);                // [head, n_head, n_tokens]
+        cur = ggml_cont_2d(ctx, cur, head * hp->n_head, n_tokens);
+    }
+    return cur;
+}
+
+struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                    const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
+                                    struct pi_graph_inputs * in) {
+    const struct pi_hparams * hp = &model->hp;
+    const int64_t n_tokens = gp->n_tokens;
+    const int64_t head     = hp->n_embd_head;
+
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, PI_GRAPH_MAX_NODES, false);
+
+    in->tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+    ggml_set_name(in->tokens, "inp_tokens");
+    ggml_set_input(in->tokens);
+    in->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+    ggml_set_name(in->pos, "inp_pos");
+    ggml_set_input(in->pos);
+    in->kq_mask = ggml_new_tensor_2d(ctx, gp->flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, gp->n_kv, n_tokens);
+    ggml_set_name(in->kq_mask, "inp_kq_mask");
+    ggml_set_input(in->kq_mask);
+    in->out_ids = NULL;
+    if (gp->n_outputs < n_tokens) {
+        in->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, gp->n_outputs);
+        ggml_set_name(in->out_ids, "inp_out_ids");
+        ggml_set_input(in->out_ids);
+    }
+
+    struct ggml_tensor * inpL = ggml_get_rows(ctx, model->tok_embd, in->tokens);  // [n_embd, n_tokens]
+
+    for (int il = 0; il < hp->n_layer; ++il) {
+        const struct pi_layer * l = &model->layers[il];
+        struct ggml_tensor * inpSA = inpL;
+
+        struct ggml_tensor * cur = build_norm(ctx, inpL, l->attn_norm, hp->norm_rms_eps);
+
+        struct ggml_tensor * q = ggml_mul_mat(ctx, l->wq, cur);
+        struct ggml_tensor * k = ggml_mul_mat(ctx, l->wk, cur);
+        struct ggml_tensor * v = ggml_mul_mat(ctx, l->wv, cur);
+        if (l->bq) q = ggml_add(ctx, q, l->bq);
+        if (l->bk) k = ggml_add(ctx, k, l->bk);
+        if (l->bv) v = ggml_add(ctx, v, l->bv);
+        q = ggml_reshape_3d(ctx, q, head, hp->n_head, n_tokens);
+        k = ggml_reshape_3d(ctx, k, head, hp->n_head_kv, n_tokens);
+        v = ggml_reshape_3d(ctx, v, head, hp->n_head_kv, n_tokens);
+
+        q = ggml_rope_ext(ctx, q, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
+                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        k = ggml_rope_ext(ctx, k, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
+                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+
+        cur = build_attn(ctx, gf, hp, kv, il, gp, in->kq_mask, q, k, v);
+        cur = ggml_mul_mat(ctx, l->wo, cur);
+
+        if (il == hp->n_layer - 1 && in->out_ids) {
+            // Only the output rows need the last FFN and the LM head.
+            cur   = ggml_get_rows(ctx, cur, in->out_ids);
+            inpSA = ggml_get_rows(ctx, inpSA, in->out_ids);
+        }
+        struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
+
+        cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
+        cur = build_ffn(ctx, l, hp->ffn_act, cur);
+        inpL = ggml_add(ctx, cur, ffn_inp);
+    }
+
+    struct ggml_tensor * cur = build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
+    in->logits = ggml_mul_mat(ctx, model->output, cur);  // [n_vocab, n_outputs]
+    ggml_set_name(in->logits, "result_output");
+    ggml_set_output(in->logits);
+    ggml_build_forward_expand(gf, in->logits);
+    return gf;
+}

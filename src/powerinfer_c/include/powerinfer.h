@@ -1,0 +1,187 @@
+// powerinfer.h - the public C API of the PowerInfer-Py core.
+// This header is the whole contract between the core and its users (the `main`
+// CLI, the Python cffi bindings). Conventions follow llama.h: opaque handles,
+// *_default_params() returning plain structs, <object>_<verb> names, explicit
+// *_free. Functions that can fail return NULL or a negative status; the reason
+// is then available from powerinfer_last_error(). Nothing here calls exit() or
+// abort() on bad input.
+//
+// The block between POWERINFER_CDEF_BEGIN and POWERINFER_CDEF_END is parsed by
+// the Python bindings (cffi ABI mode): keep it free of preprocessor logic.
+#ifndef POWERINFER_H
+#define POWERINFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#    define POWERINFER_API __declspec(dllexport)
+#else
+#    define POWERINFER_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// POWERINFER_CDEF_BEGIN
+
+typedef int32_t powerinfer_token;
+
+struct powerinfer_model;
+struct powerinfer_context;
+struct powerinfer_sampler;
+
+enum powerinfer_status {
+    POWERINFER_OK               =  0,
+    POWERINFER_ERR_IO           = -1, // file missing or unreadable
+    POWERINFER_ERR_FORMAT       = -2, // not a GGUF, truncated or inconsistent file
+    POWERINFER_ERR_UNSUPPORTED  = -3, // architecture, tensor type or feature not implemented
+    POWERINFER_ERR_INVALID_ARG  = -4, // a parameter is out of range
+    POWERINFER_ERR_CONTEXT_FULL = -5, // the tokens do not fit in n_ctx
+    POWERINFER_ERR_NO_MEMORY    = -6,
+    POWERINFER_ERR_INTERNAL     = -7,
+};
+
+enum powerinfer_log_level {
+    POWERINFER_LOG_NONE  = 0,
+    POWERINFER_LOG_ERROR = 1,
+    POWERINFER_LOG_WARN  = 2,
+    POWERINFER_LOG_INFO  = 3,
+    POWERINFER_LOG_DEBUG = 4,
+};
+
+struct powerinfer_model_params {
+    int32_t n_threads;      // threads used while loading and as the contexts' default; <= 0: all cores
+    float   vram_budget_gib;// device memory budget in GiB; < 0: automatic (used by hybrid placement)
+    int32_t n_gpu_layers;   // accepted for llama.cpp compatibility (hybrid placement decides)
+    bool    use_mmap;       // map the weights instead of reading them (default true)
+};
+
+struct powerinfer_context_params {
+    uint32_t n_ctx;           // KV cache size in tokens; 0: the model's training context
+    uint32_t n_batch;         // largest number of tokens computed in one graph
+    uint32_t seed;            // default seed for samplers created without one
+    int32_t  n_threads;       // decode threads; <= 0: the model's n_threads
+    int32_t  n_threads_batch; // prompt threads; <= 0: n_threads
+    bool     flash_attn;      // use ggml's flash-attention op (llama-cpp-python's default is off)
+};
+
+struct powerinfer_sampler_params {
+    uint32_t seed;            // 0xFFFFFFFF: random
+    float    temp;            // <= 0: greedy
+    int32_t  top_k;           // <= 0: disabled
+    float    top_p;           // >= 1: disabled
+    float    min_p;           // <= 0: disabled
+    float    typical_p;       // >= 1: disabled
+    int32_t  penalty_last_n;  // tokens considered by the penalties; 0: disabled, -1: n_ctx
+    float    penalty_repeat;  // 1.0: disabled
+    float    penalty_freq;    // 0.0: disabled
+    float    penalty_present; // 0.0: disabled
+};
+
+struct powerinfer_timings {
+    double  t_load_ms;
+    double  t_prompt_ms;  // time in decode calls of more than one token
+    int32_t n_prompt;
+    double  t_eval_ms;    // time in decode calls of one token
+    int32_t n_eval;
+};
+
+// ---- errors and logging ----------------------------------------------------
+// Message of the last failed call on this thread ("" if none).
+POWERINFER_API const char * powerinfer_last_error(void);
+// Messages from the core, ggml and libllama at or above this level go to stderr.
+POWERINFER_API void powerinfer_log_set_level(int32_t level);
+POWERINFER_API const char * powerinfer_version(void);
+POWERINFER_API const char * powerinfer_system_info(void);
+
+// ---- model -----------------------------------------------------------------
+POWERINFER_API struct powerinfer_model_params powerinfer_model_default_params(void);
+// Loads a GGUF model; NULL on error. Weights are mmapped, not copied.
+POWERINFER_API struct powerinfer_model * powerinfer_model_load(const char * path, struct powerinfer_model_params params);
+POWERINFER_API void powerinfer_model_free(struct powerinfer_model * model);
+
+POWERINFER_API const char * powerinfer_model_arch(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_vocab(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_ctx_train(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_embd(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_layer(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_head(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_n_ff(const struct powerinfer_model * model);
+POWERINFER_API uint64_t powerinfer_model_size(const struct powerinfer_model * model);   // bytes of weights
+POWERINFER_API uint64_t powerinfer_model_n_params(const struct powerinfer_model * model);
+// Name of the FFN activation in use ("silu", "relu", "gelu").
+POWERINFER_API const char * powerinfer_model_ffn_activation(const struct powerinfer_model * model);
+
+// GGUF metadata, rendered as strings (arrays as "[n items]", llama.cpp style).
+// Each returns the length of the full string, or -1 if absent; writes at most buf_size bytes, NUL-terminated.
+POWERINFER_API int32_t powerinfer_model_meta_count(const struct powerinfer_model * model);
+POWERINFER_API int32_t powerinfer_model_meta_key_by_index(const struct powerinfer_model * model, int32_t i, char * buf, size_t buf_size);
+POWERINFER_API int32_t powerinfer_model_meta_val_str_by_index(const struct powerinfer_model * model, int32_t i, char * buf, size_t buf_size);
+POWERINFER_API int32_t powerinfer_model_meta_val_str(const struct powerinfer_model * model, const char * key, char * buf, size_t buf_size);
+
+// ---- vocabulary (libllama's tokenizer, loaded vocab-only from the same file) ----
+// The three text functions return INT32_MIN on invalid arguments (e.g. a token id out of range).
+POWERINFER_API powerinfer_token powerinfer_token_bos(const struct powerinfer_model * model); // -1 if none
+POWERINFER_API powerinfer_token powerinfer_token_eos(const struct powerinfer_model * model); // -1 if none
+POWERINFER_API bool powerinfer_token_is_eog(const struct powerinfer_model * model, powerinfer_token token);
+POWERINFER_API bool powerinfer_vocab_add_bos(const struct powerinfer_model * model);
+// Returns the number of tokens, or -(needed size) if n_tokens_max is too small.
+POWERINFER_API int32_t powerinfer_tokenize(const struct powerinfer_model * model, const char * text, int32_t text_len,
+                                           powerinfer_token * tokens, int32_t n_tokens_max,
+                                           bool add_special, bool parse_special);
+// Returns the number of bytes written, or -(needed size) if buf is too small.
+POWERINFER_API int32_t powerinfer_token_to_piece(const struct powerinfer_model * model, powerinfer_token token,
+                                                 char * buf, int32_t buf_size, bool special);
+POWERINFER_API int32_t powerinfer_detokenize(const struct powerinfer_model * model, const powerinfer_token * tokens,
+                                             int32_t n_tokens, char * text, int32_t text_len_max,
+                                             bool remove_special, bool unparse_special);
+
+// ---- context ---------------------------------------------------------------
+POWERINFER_API struct powerinfer_context_params powerinfer_context_default_params(void);
+POWERINFER_API struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * model, struct powerinfer_context_params params);
+POWERINFER_API void powerinfer_context_free(struct powerinfer_context * ctx);
+POWERINFER_API uint32_t powerinfer_n_ctx(const struct powerinfer_context * ctx);
+POWERINFER_API uint32_t powerinfer_n_batch(const struct powerinfer_context * ctx);
+POWERINFER_API void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+
+// Computes n_tokens tokens at positions pos, pos+1, ... (pos <= powerinfer_kv_pos(ctx);
+// cache cells from pos on are overwritten). Long inputs are split into n_batch chunks.
+// Logits are kept for every token if logits_all, else for the last one only.
+// Returns POWERINFER_OK or a negative status; on error the cache is left at pos.
+POWERINFER_API int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_token * tokens,
+                                         int32_t n_tokens, int32_t pos, bool logits_all);
+// Number of rows of logits from the last decode, and a pointer to row i (-1: last row); NULL if out of range.
+POWERINFER_API int32_t powerinfer_n_outputs(const struct powerinfer_context * ctx);
+POWERINFER_API float * powerinfer_get_logits_ith(struct powerinfer_context * ctx, int32_t i);
+
+// Number of positions held in the KV cache.
+POWERINFER_API int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx);
+// Keeps the first n_keep positions of the KV cache (prompt-prefix reuse).
+POWERINFER_API int32_t powerinfer_kv_truncate(struct powerinfer_context * ctx, int32_t n_keep);
+
+POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
+POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx);
+
+// ---- sampling (libllama's sampler chain) -----------------------------------
+POWERINFER_API struct powerinfer_sampler_params powerinfer_sampler_default_params(void);
+POWERINFER_API struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params params);
+POWERINFER_API void powerinfer_sampler_free(struct powerinfer_sampler * smpl);
+// Samples from logits row i of the last decode (-1: last row) and records the token
+// for the penalties. Returns the token, or -1 on error.
+POWERINFER_API powerinfer_token powerinfer_sampler_sample(struct powerinfer_sampler * smpl, struct powerinfer_context * ctx, int32_t i);
+// Samples from caller-provided logits (n_vocab floats); does not record the token.
+POWERINFER_API powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * smpl, const float * logits, int32_t n_vocab);
+// Records a token (prompt or generated) in the penalty history.
+POWERINFER_API void powerinfer_sampler_accept(struct powerinfer_sampler * smpl, powerinfer_token token);
+POWERINFER_API void powerinfer_sampler_reset(struct powerinfer_sampler * smpl);
+
+// POWERINFER_CDEF_END
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif // POWERINFER_H

@@ -1,0 +1,422 @@
+// model.c - the model object: architecture and hyper-parameters from GGUF metadata,
+// weight tensors looked up by name and shape-checked, public accessors.
+#include "powerinfer-impl.h"
+
+#include "llama.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ---- typed metadata lookup ---------------------------------------------------
+
+static int64_t find_key(const struct powerinfer_model * model, const char * key) {
+    return gguf_find_key(model->gguf, key);
+}
+
+// Reads an integer key of any integer type. Returns 1 if found, 0 if absent, <0 on a type error.
+static int32_t get_int(const struct powerinfer_model * model, const char * key, int64_t * out) {
+    int64_t id = find_key(model, key);
+    if (id < 0) {
+        return 0;
+    }
+    switch (gguf_get_kv_type(model->gguf, id)) {
+        case GGUF_TYPE_UINT8:  *out = gguf_get_val_u8(model->gguf, id);  return 1;
+        case GGUF_TYPE_INT8:   *out = gguf_get_val_i8(model->gguf, id);  return 1;
+        case GGUF_TYPE_UINT16: *out = gguf_get_val_u16(model->gguf, id); return 1;
+        case GGUF_TYPE_INT16:  *out = gguf_get_val_i16(model->gguf, id); return 1;
+        case GGUF_TYPE_UINT32: *out = gguf_get_val_u32(model->gguf, id); return 1;
+        case GGUF_TYPE_INT32:  *out = gguf_get_val_i32(model->gguf, id); return 1;
+        case GGUF_TYPE_UINT64: *out = (int64_t) gguf_get_val_u64(model->gguf, id); return 1;
+        case GGUF_TYPE_INT64:  *out = gguf_get_val_i64(model->gguf, id); return 1;
+        default:
+            return pi_fail(POWERINFER_ERR_UNSUPPORTED, "metadata key '%s' has type %s, expected an integer",
+                           key, gguf_type_name(gguf_get_kv_type(model->gguf, id)));
+    }
+}
+
+static int32_t get_float(const struct powerinfer_model * model, const char * key, float * out) {
+    int64_t id = find_key(model, key);
+    if (id < 0) {
+        return 0;
+    }
+    switch (gguf_get_kv_type(model->gguf, id)) {
+        case GGUF_TYPE_FLOAT32: *out = gguf_get_val_f32(model->gguf, id); return 1;
+        case GGUF_TYPE_FLOAT64: *out = (float) gguf_get_val_f64(model->gguf, id); return 1;
+        default:
+            return pi_fail(POWERINFER_ERR_UNSUPPORTED, "metadata key '%s' has type %s, expected a float",
+                           key, gguf_type_name(gguf_get_kv_type(model->gguf, id)));
+    }
+}
+
+static const char * get_str(const struct powerinfer_model * model, const char * key) {
+    int64_t id = find_key(model, key);
+    if (id < 0 || gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_STRING) {
+        return NULL;
+    }
+    return gguf_get_val_str(model->gguf, id);
+}
+
+// "<arch>.<suffix>" integer hyper-parameter within [lo, hi]; def < 0 means required.
+static int32_t arch_int(const struct powerinfer_model * model, const char * suffix, int64_t def,
+                        int64_t lo, int64_t hi, int32_t * out) {
+    char key[256];
+    snprintf(key, sizeof(key), "%s.%s", model->arch_name, suffix);
+    int64_t v  = def;
+    int32_t rc = get_int(model, key, &v);
+    if (rc < 0) {
+        return rc;
+    }
+    if (rc == 0 && def < 0) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "required metadata key '%s' is missing", key);
+    }
+    if (v < lo || v > hi) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "metadata key '%s' = %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]",
+                       key, v, lo, hi);
+    }
+    *out = (int32_t) v;
+    return POWERINFER_OK;
+}
+
+static int32_t arch_float(const struct powerinfer_model * model, const char * suffix, float def, float * out) {
+    char key[256];
+    snprintf(key, sizeof(key), "%s.%s", model->arch_name, suffix);
+    float   v  = def;
+    int32_t rc = get_float(model, key, &v);
+    if (rc < 0) {
+        return rc;
+    }
+    if (!isfinite(v)) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "metadata key '%s' is not finite", key);
+    }
+    *out = v;
+    return POWERINFER_OK;
+}
+
+// ---- architecture and hyper-parameters ----------------------------------------
+
+// Our own key stating the FFN activation ("silu", "relu", "gelu"); see docs/formats.md.
+#define PI_KEY_FFN_ACTIVATION "powerinfer.ffn_activation"
+
+static const char * act_name(enum pi_ffn_act act) {
+    switch (act) {
+        case PI_ACT_RELU: return "relu";
+        case PI_ACT_GELU: return "gelu";
+        default:          return "silu";
+    }
+}
+
+int32_t pi_model_load_hparams(struct powerinfer_model * model) {
+    const char * arch = get_str(model, "general.architecture");
+    if (!arch) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "metadata key 'general.architecture' is missing");
+    }
+    snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch);
+    if (strcmp(arch, "llama") == 0) {
+        model->arch = PI_ARCH_LLAMA;
+    } else if (strcmp(arch, "qwen2") == 0) {
+        model->arch = PI_ARCH_QWEN2;
+    } else {
+        return pi_fail(POWERINFER_ERR_UNSUPPORTED,
+                       "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2)",
+                       arch);
+    }
+
+    struct pi_hparams * hp = &model->hp;
+    int32_t rc;
+    if ((rc = arch_int(model, "context_length",           -1, 1, INT32_MAX, &hp->n_ctx_train)) ||
+        (rc = arch_int(model, "embedding_length",         -1, 1, 1 << 20, &hp->n_embd)) ||
+        (rc = arch_int(model, "block_count",              -1, 1, PI_MAX_LAYERS, &hp->n_layer)) ||
+        (rc = arch_int(model, "feed_forward_length",      -1, 1, 1 << 24, &hp->n_ff)) ||
+        (rc = arch_int(model, "attention.head_count",     -1, 1, 1 << 16, &hp->n_head))) {
+        return rc;
+    }
+    if ((rc = arch_int(model, "attention.head_count_kv", hp->n_head, 1, hp->n_head, &hp->n_head_kv))) {
+        return rc;
+    }
+    if (hp->n_head % hp->n_head_kv != 0) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "n_head (%d) is not a multiple of n_head_kv (%d)", hp->n_head, hp->n_head_kv);
+    }
+    if (hp->n_embd % hp->n_head != 0) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "n_embd (%d) is not a multiple of n_head (%d)", hp->n_embd, hp->n_head);
+    }
+    int32_t n_embd_head_v = 0;
+    if ((rc = arch_int(model, "attention.key_length",   hp->n_embd / hp->n_head, 1, 1 << 16, &hp->n_embd_head)) ||
+        (rc = arch_int(model, "attention.value_length", hp->n_embd_head, 1, 1 << 16, &n_embd_head_v)) ||
+        (rc = arch_int(model, "rope.dimension_count",   hp->n_embd_head, 1, hp->n_embd_head, &hp->n_rot))) {
+        return rc;
+    }
+    if (n_embd_head_v != hp->n_embd_head) {
+        return pi_fail(POWERINFER_ERR_UNSUPPORTED, "different key (%d) and value (%d) head sizes are not supported",
+                       hp->n_embd_head, n_embd_head_v);
+    }
+    int32_t n_expert = 0;
+    if ((rc = arch_int(model, "expert_count", 0, 0, INT32_MAX, &n_expert))) {
+        return rc;
+    }
+    if (n_expert > 0) {
+        return pi_fail(POWERINFER_ERR_UNSUPPORTED, "mixture-of-experts models (%s.expert_count = %d) are not supported",
+                       arch, n_expert);
+    }
+    if ((rc = arch_float(model, "attention.layer_norm_rms_epsilon", 1e-5f, &hp->norm_rms_eps)) ||
+        (rc = arch_float(model, "rope.freq_base", 10000.0f, &hp->rope_freq_base))) {
+        return rc;
+    }
+
+    // RoPE scaling: none or linear.
+    hp->rope_freq_scale = 1.0f;
+    char key[256];
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    const char * scaling = get_str(model, key);
+    float factor = 0.0f;
+    if ((rc = arch_float(model, "rope.scaling.factor", 0.0f, &factor)) ||
+        (factor == 0.0f && (rc = arch_float(model, "rope.scale_linear", 0.0f, &factor)))) {
+        return rc;
+    }
+    if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0) {
+        return pi_fail(POWERINFER_ERR_UNSUPPORTED, "RoPE scaling type '%s' is not supported (none, linear)", scaling);
+    }
+    if ((!scaling || strcmp(scaling, "linear") == 0) && factor > 0.0f) {
+        hp->rope_freq_scale = 1.0f / factor;
+    }
+    hp->rope_type = model->arch == PI_ARCH_QWEN2 ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
+
+    // FFN activation: our key if present, else the architecture's usual one.
+    hp->ffn_act = PI_ACT_SILU;
+    const char * act = get_str(model, PI_KEY_FFN_ACTIVATION);
+    if (act) {
+        if      (strcmp(act, "silu") == 0) hp->ffn_act = PI_ACT_SILU;
+        else if (strcmp(act, "relu") == 0) hp->ffn_act = PI_ACT_RELU;
+        else if (strcmp(act, "gelu") == 0) hp->ffn_act = PI_ACT_GELU;
+        else {
+            return pi_fail(POWERINFER_ERR_UNSUPPORTED, "%s = '%s' is not one of silu, relu, gelu",
+                           PI_KEY_FFN_ACTIVATION, act);
+        }
+    }
+    return POWERINFER_OK;
+}
+
+// ---- tensors -----------------------------------------------------------------
+
+// Looks a tensor up by name and checks its shape (ne0, ne1; ne1 = 0 for 1-D).
+static int32_t bind(const struct powerinfer_model * model, struct ggml_tensor ** out, bool required,
+                    int64_t ne0, int64_t ne1, const char * fmt, ...) __attribute__((format(printf, 6, 7)));
+
+static int32_t bind(const struct powerinfer_model * model, struct ggml_tensor ** out, bool required,
+                    int64_t ne0, int64_t ne1, const char * fmt, ...) {
+    char name[GGML_MAX_NAME];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof(name), fmt, ap);
+    va_end(ap);
+
+    struct ggml_tensor * t = ggml_get_tensor(model->ctx_meta, name);
+    *out = t;
+    if (!t) {
+        return required ? pi_fail(POWERINFER_ERR_FORMAT, "tensor '%s' is missing from the model file", name)
+                        : POWERINFER_OK;
+    }
+    const int64_t want1 = ne1 == 0 ? 1 : ne1;
+    if (t->ne[0] != ne0 || t->ne[1] != want1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        return pi_fail(POWERINFER_ERR_FORMAT,
+                       "tensor '%s' has shape [%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "], expected [%" PRId64 ", %" PRId64 "]",
+                       name, t->ne[0], t->ne[1], t->ne[2], t->ne[3], ne0, want1);
+    }
+    return POWERINFER_OK;
+}
+
+int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
+    struct pi_hparams * hp = &model->hp;
+    struct ggml_tensor * tok = ggml_get_tensor(model->ctx_meta, "token_embd.weight");
+    if (!tok) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "tensor 'token_embd.weight' is missing from the model file");
+    }
+    hp->n_vocab = (int32_t) tok->ne[1];
+
+    const int64_t n_embd   = hp->n_embd;
+    const int64_t n_vocab  = hp->n_vocab;
+    const int64_t n_q      = (int64_t) hp->n_embd_head * hp->n_head;
+    const int64_t n_kv     = (int64_t) hp->n_embd_head * hp->n_head_kv;
+    const int64_t n_ff     = hp->n_ff;
+    int32_t rc;
+
+    if ((rc = bind(model, &model->tok_embd, true, n_embd, n_vocab, "token_embd.weight")) ||
+        (rc = bind(model, &model->output_norm, true, n_embd, 0, "output_norm.weight")) ||
+        (rc = bind(model, &model->output, false, n_embd, n_vocab, "output.weight"))) {
+        return rc;
+    }
+    if (!model->output) {
+        model->output = model->tok_embd; // tied embeddings
+    }
+
+    for (int32_t il = 0; il < hp->n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        if ((rc = bind(model, &l->attn_norm, true,  n_embd, 0,      "blk.%d.attn_norm.weight", il)) ||
+            (rc = bind(model, &l->wq,        true,  n_embd, n_q,    "blk.%d.attn_q.weight", il)) ||
+            (rc = bind(model, &l->wk,        true,  n_embd, n_kv,   "blk.%d.attn_k.weight", il)) ||
+            (rc = bind(model, &l->wv,        true,  n_embd, n_kv,   "blk.%d.attn_v.weight", il)) ||
+            (rc = bind(model, &l->wo,        true,  n_q,    n_embd, "blk.%d.attn_output.weight", il)) ||
+            (rc = bind(model, &l->bq,        false, n_q,    0,      "blk.%d.attn_q.bias", il)) ||
+            (rc = bind(model, &l->bk,        false, n_kv,   0,      "blk.%d.attn_k.bias", il)) ||
+            (rc = bind(model, &l->bv,        false, n_kv,   0,      "blk.%d.attn_v.bias", il)) ||
+            (rc = bind(model, &l->ffn_norm,  true,  n_embd, 0,      "blk.%d.ffn_norm.weight", il)) ||
+            (rc = bind(model, &l->ffn_gate,  false, n_embd, n_ff,   "blk.%d.ffn_gate.weight", il)) ||
+            (rc = bind(model, &l->ffn_up,    true,  n_embd, n_ff,   "blk.%d.ffn_up.weight", il)) ||
+            (rc = bind(model, &l->ffn_down,  true,  n_ff,   n_embd, "blk.%d.ffn_down.weight", il))) {
+            return rc;
+        }
+        if (model->arch == PI_ARCH_QWEN2 && !(l->bq && l->bk && l->bv)) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "qwen2 layer %d lacks its q/k/v biases", il);
+        }
+    }
+    return POWERINFER_OK;
+}
+
+// ---- public API ----------------------------------------------------------------
+
+struct powerinfer_model_params powerinfer_model_default_params(void) {
+    struct powerinfer_model_params p = {
+        .n_threads       = 0,
+        .vram_budget_gib = -1.0f,
+        .n_gpu_layers    = 0,
+        .use_mmap        = true,
+    };
+    return p;
+}
+
+struct powerinfer_model * powerinfer_model_load(const char * path, struct powerinfer_model_params params) {
+    pi_clear_error();
+    pi_log_install();
+    if (!path || !*path) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "model path is empty");
+        return NULL;
+    }
+    const double t0 = pi_time_ms();
+    struct powerinfer_model * model = calloc(1, sizeof(*model));
+    if (!model) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        return NULL;
+    }
+    model->params = params;
+    model->path   = strdup(path);
+    if (!model->path ||
+        pi_model_load_file(model, path) != POWERINFER_OK ||
+        pi_model_load_hparams(model) != POWERINFER_OK ||
+        pi_model_bind_tensors(model) != POWERINFER_OK ||
+        pi_vocab_load(model) != POWERINFER_OK) {
+        powerinfer_model_free(model);
+        return NULL;
+    }
+    model->t_load_ms = pi_time_ms() - t0;
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: loaded %s (%s, %d layers, n_embd %d, n_ff %d, %.1f MiB, %s FFN) in %.1f ms\n",
+           path, model->arch_name, model->hp.n_layer, model->hp.n_embd, model->hp.n_ff,
+           model->n_bytes / 1048576.0, act_name(model->hp.ffn_act), model->t_load_ms);
+    return model;
+}
+
+void powerinfer_model_free(struct powerinfer_model * model) {
+    if (!model) {
+        return;
+    }
+    pi_vocab_free(model);
+    pi_model_unload_file(model);
+    free(model->path);
+    free(model);
+}
+
+const char * powerinfer_model_arch(const struct powerinfer_model * model) { return model->arch_name; }
+int32_t powerinfer_model_n_vocab(const struct powerinfer_model * model)    { return model->hp.n_vocab; }
+int32_t powerinfer_model_n_ctx_train(const struct powerinfer_model * model) { return model->hp.n_ctx_train; }
+int32_t powerinfer_model_n_embd(const struct powerinfer_model * model)     { return model->hp.n_embd; }
+int32_t powerinfer_model_n_layer(const struct powerinfer_model * model)    { return model->hp.n_layer; }
+int32_t powerinfer_model_n_head(const struct powerinfer_model * model)     { return model->hp.n_head; }
+int32_t powerinfer_model_n_ff(const struct powerinfer_model * model)       { return model->hp.n_ff; }
+uint64_t powerinfer_model_size(const struct powerinfer_model * model)      { return model->n_bytes; }
+uint64_t powerinfer_model_n_params(const struct powerinfer_model * model)  { return model->n_params; }
+const char * powerinfer_model_ffn_activation(const struct powerinfer_model * model) { return act_name(model->hp.ffn_act); }
+
+// ---- metadata as strings -----------------------------------------------------------
+// Arrays are left out, as in libllama's llama_model_meta_* functions.
+
+static int64_t meta_kv_index(const struct powerinfer_model * model, int32_t i) {
+    if (i < 0) {
+        return -1;
+    }
+    const int64_t n = gguf_get_n_kv(model->gguf);
+    for (int64_t id = 0, seen = 0; id < n; ++id) {
+        if (gguf_get_kv_type(model->gguf, id) == GGUF_TYPE_ARRAY) {
+            continue;
+        }
+        if (seen++ == i) {
+            return id;
+        }
+    }
+    return -1;
+}
+
+static int32_t put_str(const char * s, char * buf, size_t buf_size) {
+    if (buf && buf_size > 0) {
+        snprintf(buf, buf_size, "%s", s);
+    }
+    size_t len = strlen(s);
+    return len > INT32_MAX ? INT32_MAX : (int32_t) len;
+}
+
+static int32_t kv_to_str(const struct powerinfer_model * model, int64_t id, char * buf, size_t buf_size) {
+    const struct gguf_context * g = model->gguf;
+    char tmp[64];
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_STRING:  return put_str(gguf_get_val_str(g, id), buf, buf_size);
+        case GGUF_TYPE_UINT8:   snprintf(tmp, sizeof(tmp), "%u", gguf_get_val_u8(g, id)); break;
+        case GGUF_TYPE_INT8:    snprintf(tmp, sizeof(tmp), "%d", gguf_get_val_i8(g, id)); break;
+        case GGUF_TYPE_UINT16:  snprintf(tmp, sizeof(tmp), "%u", gguf_get_val_u16(g, id)); break;
+        case GGUF_TYPE_INT16:   snprintf(tmp, sizeof(tmp), "%d", gguf_get_val_i16(g, id)); break;
+        case GGUF_TYPE_UINT32:  snprintf(tmp, sizeof(tmp), "%u", gguf_get_val_u32(g, id)); break;
+        case GGUF_TYPE_INT32:   snprintf(tmp, sizeof(tmp), "%d", gguf_get_val_i32(g, id)); break;
+        case GGUF_TYPE_UINT64:  snprintf(tmp, sizeof(tmp), "%" PRIu64, gguf_get_val_u64(g, id)); break;
+        case GGUF_TYPE_INT64:   snprintf(tmp, sizeof(tmp), "%" PRId64, gguf_get_val_i64(g, id)); break;
+        case GGUF_TYPE_FLOAT32: snprintf(tmp, sizeof(tmp), "%f", gguf_get_val_f32(g, id)); break;
+        case GGUF_TYPE_FLOAT64: snprintf(tmp, sizeof(tmp), "%f", gguf_get_val_f64(g, id)); break;
+        case GGUF_TYPE_BOOL:    snprintf(tmp, sizeof(tmp), "%s", gguf_get_val_bool(g, id) ? "true" : "false"); break;
+        default:                snprintf(tmp, sizeof(tmp), "[%zu items]", gguf_get_arr_n(g, id)); break;
+    }
+    return put_str(tmp, buf, buf_size);
+}
+
+int32_t powerinfer_model_meta_count(const struct powerinfer_model * model) {
+    int32_t n = 0;
+    const int64_t n_kv = gguf_get_n_kv(model->gguf);
+    for (int64_t id = 0; id < n_kv; ++id) {
+        n += gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_ARRAY;
+    }
+    return n;
+}
+
+int32_t powerinfer_model_meta_key_by_index(const struct powerinfer_model * model, int32_t i, char * buf, size_t buf_size) {
+    int64_t id = meta_kv_index(model, i);
+    if (id < 0) {
+        if (buf && buf_size) buf[0] = '\0';
+        return -1;
+    }
+    return put_str(gguf_get_key(model->gguf, id), buf, buf_size);
+}
+
+int32_t powerinfer_model_meta_val_str_by_index(const struct powerinfer_model * model, int32_t i, char * buf, size_t buf_size) {
+    int64_t id = meta_kv_index(model, i);
+    if (id < 0) {
+        if (buf && buf_size) buf[0] = '\0';
+        return -1;
+    }
+    return kv_to_str(model, id, buf, buf_size);
+}
+
+int32_t powerinfer_model_meta_val_str(const struct powerinfer_model * model, const char * key, char * buf, size_t buf_size) {
+    int64_t id = key ? gguf_find_key(model->gguf, key) : -1;
+    if (id < 0 || gguf_get_kv_type(model->gguf, id) == GGUF_TYPE_ARRAY) {
+        if (buf && buf_size) buf[0] = '\0';
+        return -1;
+    }
+    return kv_to_str(model, id, buf, buf_size);
+}

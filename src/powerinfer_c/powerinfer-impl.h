@@ -1,0 +1,167 @@
+// powerinfer-impl.h - internal types shared by the core's source files.
+// Not installed; users see only include/powerinfer.h.
+#pragma once
+
+#include "powerinfer.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "gguf.h"
+
+#include <stdarg.h>
+
+struct llama_model;
+struct llama_vocab;
+
+#define PI_MAX_LAYERS 512
+#define PI_GRAPH_MAX_NODES 8192
+
+// ---- errors and logging (error.c) ----
+// Records the message for powerinfer_last_error() and returns status (for `return pi_fail(...)`).
+int32_t pi_fail(int32_t status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+void    pi_clear_error(void);
+void    pi_log(int32_t level, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+int32_t pi_log_level(void);
+// Installs the core's log filter on ggml and libllama (idempotent).
+void    pi_log_install(void);
+double  pi_time_ms(void);
+
+enum pi_arch {
+    PI_ARCH_LLAMA,
+    PI_ARCH_QWEN2,
+};
+
+enum pi_ffn_act {
+    PI_ACT_SILU,
+    PI_ACT_RELU,
+    PI_ACT_GELU,
+};
+
+struct pi_hparams {
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_ff;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t n_embd_head;   // key/value head size
+    int32_t n_rot;
+    int32_t rope_type;     // GGML_ROPE_TYPE_*
+    float   rope_freq_base;
+    float   rope_freq_scale;
+    float   norm_rms_eps;
+    enum pi_ffn_act ffn_act;
+};
+
+struct pi_layer {
+    struct ggml_tensor * attn_norm;
+    struct ggml_tensor * wq, * wk, * wv, * wo;
+    struct ggml_tensor * bq, * bk, * bv;   // optional (qwen2)
+    struct ggml_tensor * ffn_norm;
+    struct ggml_tensor * ffn_gate;         // optional: absent for non-gated FFNs
+    struct ggml_tensor * ffn_up;
+    struct ggml_tensor * ffn_down;
+};
+
+// A read-only mapping of the whole model file.
+struct pi_mapping {
+    void *   addr;
+    uint64_t size;
+};
+
+struct powerinfer_model {
+    char *               path;
+    enum pi_arch         arch;
+    char                 arch_name[64];
+    struct pi_hparams    hp;
+    struct powerinfer_model_params params;
+
+    struct gguf_context * gguf;     // metadata (no tensor data)
+    struct ggml_context * ctx_meta; // tensor descriptors, data points into the mapping
+    struct pi_mapping     map;
+    ggml_backend_buffer_t buf_weights;
+    uint64_t              n_bytes;
+    uint64_t              n_params;
+
+    struct ggml_tensor * tok_embd;
+    struct ggml_tensor * output_norm;
+    struct ggml_tensor * output;    // == tok_embd when the output is tied
+    struct pi_layer      layers[PI_MAX_LAYERS];
+
+    // vocabulary (libllama, vocab-only)
+    struct llama_model *       llm_vocab_model;
+    const struct llama_vocab * vocab;
+
+    double t_load_ms;
+};
+
+// ---- model_loader.c ----
+// Validates the file, parses GGUF metadata and maps tensor data. Fills path, gguf,
+// ctx_meta, map, buf_weights, n_bytes, n_params.
+int32_t pi_model_load_file(struct powerinfer_model * model, const char * path);
+void    pi_model_unload_file(struct powerinfer_model * model);
+
+// ---- model.c ----
+int32_t pi_model_load_hparams(struct powerinfer_model * model);
+int32_t pi_model_bind_tensors(struct powerinfer_model * model);
+
+// ---- vocab.c ----
+int32_t pi_vocab_load(struct powerinfer_model * model);
+void    pi_vocab_free(struct powerinfer_model * model);
+
+// ---- kv_cache.c ----
+struct pi_kv_cache {
+    struct ggml_context * ctx;
+    ggml_backend_buffer_t buf;
+    struct ggml_tensor *  k[PI_MAX_LAYERS]; // [n_embd_k_gqa, n_ctx] f16, one row per position
+    struct ggml_tensor *  v[PI_MAX_LAYERS]; // [n_ctx, n_embd_v_gqa] f16 (transposed: one row per channel)
+                                            // or [n_embd_v_gqa, n_ctx] with flash attention
+    uint32_t              size;             // cells
+    int32_t               n_pos;            // positions in use: [0, n_pos)
+    bool                  v_trans;
+};
+
+int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans);
+void    pi_kv_cache_free(struct pi_kv_cache * kv);
+
+// ---- graph.c ----
+struct pi_graph_inputs {
+    struct ggml_tensor * tokens;   // I32 [n_tokens]
+    struct ggml_tensor * pos;      // I32 [n_tokens]
+    struct ggml_tensor * kq_mask;  // F32/F16 [n_kv, n_tokens]
+    struct ggml_tensor * out_ids;  // I32 [n_outputs], NULL when every row is an output
+    struct ggml_tensor * logits;   // F32 [n_vocab, n_outputs]
+};
+
+struct pi_graph_params {
+    int32_t n_tokens;
+    int32_t pos0;       // position of the first token
+    int32_t n_kv;       // cache cells attended: pos0 + n_tokens
+    int32_t n_outputs;  // 1 or n_tokens
+    bool    flash_attn;
+};
+
+struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                    const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
+                                    struct pi_graph_inputs * in);
+
+struct powerinfer_context {
+    struct powerinfer_model *        model;
+    struct powerinfer_context_params params;
+    struct pi_kv_cache               kv;
+
+    ggml_backend_t     backend;
+    ggml_gallocr_t     galloc;
+    void *             graph_buf;      // memory for graph-building ggml contexts
+    size_t             graph_buf_size;
+
+    float *            scratch;        // host staging for the attention mask
+    size_t             scratch_size;
+    float *            logits;         // [n_outputs, n_vocab]
+    int32_t            n_outputs;
+    int32_t            logits_capacity; // rows
+
+    struct powerinfer_timings timings;
+};

@@ -1,0 +1,147 @@
+// sampling.c - token selection through libllama's sampler chain, applied to the
+// core's own logits (the chain needs no llama_context for that).
+#include "powerinfer-impl.h"
+
+#include "llama.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+struct powerinfer_sampler {
+    struct llama_sampler * chain;
+    llama_token_data *     cand;    // n_vocab candidates, reused between calls
+    int32_t                n_vocab;
+    struct powerinfer_sampler_params params;
+};
+
+struct powerinfer_sampler_params powerinfer_sampler_default_params(void) {
+    struct powerinfer_sampler_params p = {
+        .seed            = LLAMA_DEFAULT_SEED,
+        .temp            = 0.8f,
+        .top_k           = 40,
+        .top_p           = 0.95f,
+        .min_p           = 0.05f,
+        .typical_p       = 1.0f,
+        .penalty_last_n  = 64,
+        .penalty_repeat  = 1.0f,
+        .penalty_freq    = 0.0f,
+        .penalty_present = 0.0f,
+    };
+    return p;
+}
+
+static int32_t check_params(const struct powerinfer_sampler_params * p) {
+    if (!isfinite(p->temp)) return pi_fail(POWERINFER_ERR_INVALID_ARG, "temperature must be finite");
+    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f) && !(p->top_p > 1.0f && isfinite(p->top_p)))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "top_p = %g must be in [0, 1]", p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f) && !(p->min_p < 0.0f && isfinite(p->min_p)))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "min_p = %g must be in [0, 1]", p->min_p);
+    if (!isfinite(p->typical_p) || p->typical_p < 0.0f)
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "typical_p = %g must be in [0, 1]", p->typical_p);
+    if (!(p->penalty_repeat > 0.0f) || !isfinite(p->penalty_repeat))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "repeat penalty = %g must be > 0", p->penalty_repeat);
+    if (!isfinite(p->penalty_freq) || !isfinite(p->penalty_present))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "frequency and presence penalties must be finite");
+    if (p->penalty_last_n < -1)
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "penalty_last_n = %d must be >= -1", p->penalty_last_n);
+    return POWERINFER_OK;
+}
+
+// Chain order follows llama-cpp-python: penalties, then greedy, or
+// top-k -> typical -> top-p -> min-p -> temperature -> random draw.
+struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params p) {
+    pi_clear_error();
+    if (!model) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_new: model is NULL");
+        return NULL;
+    }
+    if (check_params(&p) != POWERINFER_OK) {
+        return NULL;
+    }
+    struct powerinfer_sampler * s = calloc(1, sizeof(*s));
+    if (!s) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        return NULL;
+    }
+    s->n_vocab = model->hp.n_vocab;
+    s->params  = p;
+    s->cand    = malloc((size_t) s->n_vocab * sizeof(llama_token_data));
+    struct llama_sampler_chain_params cp = llama_sampler_chain_default_params();
+    cp.no_perf = true;
+    s->chain = llama_sampler_chain_init(cp);
+    if (!s->cand || !s->chain) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        powerinfer_sampler_free(s);
+        return NULL;
+    }
+    const int32_t last_n = p.penalty_last_n == -1 ? model->hp.n_ctx_train : p.penalty_last_n;
+    if (last_n != 0 && (p.penalty_repeat != 1.0f || p.penalty_freq != 0.0f || p.penalty_present != 0.0f)) {
+        llama_sampler_chain_add(s->chain, llama_sampler_init_penalties(s->n_vocab, last_n, p.penalty_repeat,
+                                                                       p.penalty_freq, p.penalty_present));
+    }
+    if (p.temp <= 0.0f) {
+        llama_sampler_chain_add(s->chain, llama_sampler_init_greedy());
+    } else {
+        const size_t min_keep = 1;
+        if (p.top_k > 0)      llama_sampler_chain_add(s->chain, llama_sampler_init_top_k(p.top_k));
+        if (p.typical_p < 1)  llama_sampler_chain_add(s->chain, llama_sampler_init_typical(p.typical_p, min_keep));
+        if (p.top_p < 1)      llama_sampler_chain_add(s->chain, llama_sampler_init_top_p(p.top_p, min_keep));
+        if (p.min_p > 0)      llama_sampler_chain_add(s->chain, llama_sampler_init_min_p(p.min_p, min_keep));
+        llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
+        llama_sampler_chain_add(s->chain, llama_sampler_init_dist(p.seed));
+    }
+    return s;
+}
+
+void powerinfer_sampler_free(struct powerinfer_sampler * s) {
+    if (!s) {
+        return;
+    }
+    if (s->chain) {
+        llama_sampler_free(s->chain);
+    }
+    free(s->cand);
+    free(s);
+}
+
+powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s, const float * logits, int32_t n_vocab) {
+    if (!s || !logits || n_vocab != s->n_vocab) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_sample_logits: expected %d logits", s ? s->n_vocab : 0);
+        return -1;
+    }
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };
+    }
+    llama_token_data_array arr = { .data = s->cand, .size = (size_t) n_vocab, .selected = -1, .sorted = false };
+    llama_sampler_apply(s->chain, &arr);
+    if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
+        pi_fail(POWERINFER_ERR_INTERNAL, "the sampler chain selected no token");
+        return -1;
+    }
+    return arr.data[arr.selected].id;
+}
+
+powerinfer_token powerinfer_sampler_sample(struct powerinfer_sampler * s, struct powerinfer_context * ctx, int32_t i) {
+    const float * logits = ctx ? powerinfer_get_logits_ith(ctx, i) : NULL;
+    if (!logits) {
+        if (!ctx) pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_sample: context is NULL");
+        return -1;
+    }
+    powerinfer_token tok = powerinfer_sampler_sample_logits(s, logits, ctx->model->hp.n_vocab);
+    if (tok >= 0) {
+        llama_sampler_accept(s->chain, tok);
+    }
+    return tok;
+}
+
+void powerinfer_sampler_accept(struct powerinfer_sampler * s, powerinfer_token token) {
+    if (s && token >= 0 && token < s->n_vocab) {
+        llama_sampler_accept(s->chain, token);
+    }
+}
+
+void powerinfer_sampler_reset(struct powerinfer_sampler * s) {
+    if (s) {
+        llama_sampler_reset(s->chain);
+    }
+}

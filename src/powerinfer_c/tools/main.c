@@ -1,0 +1,341 @@
+// main.c - the `main` CLI: text generation with llama.cpp's usual flags, a thin
+// consumer of powerinfer.h.
+#include "powerinfer.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct cli_args {
+    const char * model;
+    const char * prompt;
+    const char * prompt_file;
+    int32_t      n_predict;
+    int32_t      n_threads;
+    int32_t      n_threads_batch;
+    int32_t      n_ctx;
+    int32_t      n_batch;
+    uint32_t     seed;
+    float        temp, top_p, min_p, repeat_penalty;
+    int32_t      top_k, repeat_last_n;
+    bool         ignore_eos;
+    bool         flash_attn;
+    bool         verbose;
+    float        vram_budget;
+    int32_t      n_gpu_layers;
+};
+
+static void usage(FILE * out, const char * argv0) {
+    fprintf(out,
+        "usage: %s -m MODEL [options]\n"
+        "\n"
+        "Generates text from a prompt with PowerInfer-Py.\n"
+        "\n"
+        "options:\n"
+        "  -h, --help                show this help and exit\n"
+        "  -m, --model FNAME         model path (GGUF)\n"
+        "  -p, --prompt PROMPT       prompt to start generation with (default: empty)\n"
+        "  -f, --file FNAME          read the prompt from a file\n"
+        "  -n, --n-predict N         number of tokens to predict (default: -1, until end of text or a full context)\n"
+        "  -t, --threads N           threads for generation (default: all cores)\n"
+        "  -tb, --threads-batch N    threads for prompt processing (default: same as --threads)\n"
+        "  -c, --ctx-size N          context size in tokens (default: 4096, 0 = the model's)\n"
+        "  -b, --batch-size N        prompt tokens computed per graph (default: 512)\n"
+        "  -s, --seed N              RNG seed (default: -1, random)\n"
+        "  --temp N                  temperature (default: 0.8; 0 = greedy)\n"
+        "  --top-k N                 top-k sampling (default: 40, 0 = disabled)\n"
+        "  --top-p N                 top-p sampling (default: 0.95, 1.0 = disabled)\n"
+        "  --min-p N                 min-p sampling (default: 0.05, 0.0 = disabled)\n"
+        "  --repeat-penalty N        penalize repeated tokens (default: 1.0 = disabled)\n"
+        "  --repeat-last-n N         tokens considered by the penalty (default: 64, -1 = context size)\n"
+        "  --ignore-eos              keep generating after the end-of-text token\n"
+        "  -fa, --flash-attn         use flash attention\n"
+        "  --vram-budget N           device memory budget in GiB for hot neurons (hybrid placement)\n"
+        "  -ngl, --n-gpu-layers N    accepted for llama.cpp compatibility; placement follows --vram-budget\n"
+        "  -v, --verbose             print loading details\n",
+        argv0);
+}
+
+static int fail(const char * fmt, const char * a, const char * b) {
+    fprintf(stderr, "error: ");
+    fprintf(stderr, fmt, a, b);
+    fprintf(stderr, "\n");
+    return 1;
+}
+
+static bool parse_int(const char * s, long lo, long hi, int32_t * out) {
+    char * end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        return false;
+    }
+    *out = (int32_t) v;
+    return true;
+}
+
+static bool parse_float(const char * s, float * out) {
+    char * end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) {
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+// Returns 0 on success, 1 on a bad argument, -1 when help was printed.
+static int parse_args(int argc, char ** argv, struct cli_args * a) {
+    for (int i = 1; i < argc; ++i) {
+        const char * arg = argv[i];
+#define IS(x) (strcmp(arg, x) == 0)
+#define NEXT() (i + 1 < argc ? argv[++i] : NULL)
+        if (IS("-h") || IS("--help")) {
+            usage(stdout, argv[0]);
+            return -1;
+        }
+        if (IS("--ignore-eos"))                { a->ignore_eos = true; continue; }
+        if (IS("-fa") || IS("--flash-attn"))   { a->flash_attn = true; continue; }
+        if (IS("-v") || IS("--verbose"))       { a->verbose = true; continue; }
+        const bool takes_value =
+            IS("-m") || IS("--model") || IS("-p") || IS("--prompt") || IS("-f") || IS("--file") ||
+            IS("-n") || IS("--n-predict") || IS("-t") || IS("--threads") || IS("-tb") || IS("--threads-batch") ||
+            IS("-c") || IS("--ctx-size") || IS("-b") || IS("--batch-size") || IS("-s") || IS("--seed") ||
+            IS("--temp") || IS("--top-k") || IS("--top-p") || IS("--min-p") || IS("--repeat-penalty") ||
+            IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers");
+        if (!takes_value) {
+            return fail("unknown argument '%s'%s (see --help)", arg, "");
+        }
+        const char * val = NEXT();
+        if (!val) {
+            return fail("argument '%s' needs a value%s", arg, "");
+        }
+        bool ok = true;
+        if      (IS("-m") || IS("--model"))           a->model = val;
+        else if (IS("-p") || IS("--prompt"))          a->prompt = val;
+        else if (IS("-f") || IS("--file"))            a->prompt_file = val;
+        else if (IS("-n") || IS("--n-predict"))       ok = parse_int(val, -1, INT32_MAX, &a->n_predict);
+        else if (IS("-t") || IS("--threads"))         ok = parse_int(val, 1, 1024, &a->n_threads);
+        else if (IS("-tb") || IS("--threads-batch"))  ok = parse_int(val, 1, 1024, &a->n_threads_batch);
+        else if (IS("-c") || IS("--ctx-size"))        ok = parse_int(val, 0, 1 << 22, &a->n_ctx);
+        else if (IS("-b") || IS("--batch-size"))      ok = parse_int(val, 1, 1 << 16, &a->n_batch);
+        else if (IS("-s") || IS("--seed")) {
+            int32_t s;
+            ok = parse_int(val, -1, INT32_MAX, &s);
+            a->seed = s < 0 ? 0xFFFFFFFFu : (uint32_t) s;
+        }
+        else if (IS("--temp"))                        ok = parse_float(val, &a->temp);
+        else if (IS("--top-k"))                       ok = parse_int(val, 0, INT32_MAX, &a->top_k);
+        else if (IS("--top-p"))                       ok = parse_float(val, &a->top_p) && a->top_p >= 0.0f && a->top_p <= 1.0f;
+        else if (IS("--min-p"))                       ok = parse_float(val, &a->min_p) && a->min_p >= 0.0f && a->min_p <= 1.0f;
+        else if (IS("--repeat-penalty"))              ok = parse_float(val, &a->repeat_penalty) && a->repeat_penalty > 0.0f;
+        else if (IS("--repeat-last-n"))               ok = parse_int(val, -1, INT32_MAX, &a->repeat_last_n);
+        else if (IS("--vram-budget"))                 ok = parse_float(val, &a->vram_budget) && a->vram_budget >= 0.0f;
+        else                                          ok = parse_int(val, -1, INT32_MAX, &a->n_gpu_layers);
+        if (!ok) {
+            return fail("invalid value '%s' for %s", val, arg);
+        }
+#undef IS
+#undef NEXT
+    }
+    if (!a->model) {
+        return fail("no model given: use -m MODEL.gguf%s%s (see --help)", "", "");
+    }
+    if (a->prompt && a->prompt_file) {
+        return fail("use either -p or -f, not both%s%s", "", "");
+    }
+    return 0;
+}
+
+static char * read_file(const char * path) {
+    FILE * f = fopen(path, "rb");
+    if (!f) {
+        return NULL;
+    }
+    size_t cap = 4096, len = 0;
+    char * buf = malloc(cap);
+    size_t n;
+    while (buf && (n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += n;
+        if (cap - len <= 1) {
+            char * nb = realloc(buf, cap * 2);
+            if (!nb) { free(buf); buf = NULL; break; }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    fclose(f);
+    if (buf) buf[len] = '\0';
+    return buf;
+}
+
+static void print_piece(const struct powerinfer_model * model, powerinfer_token tok) {
+    char buf[256];
+    int32_t n = powerinfer_token_to_piece(model, tok, buf, sizeof(buf), false);
+    if (n > 0) {
+        fwrite(buf, 1, (size_t) n, stdout);
+        fflush(stdout);
+    }
+}
+
+int main(int argc, char ** argv) {
+    struct powerinfer_sampler_params sp = powerinfer_sampler_default_params();
+    struct cli_args a = {
+        .n_predict = -1, .n_ctx = 4096, .n_batch = 512, .seed = 0xFFFFFFFFu,
+        .temp = sp.temp, .top_p = sp.top_p, .min_p = sp.min_p, .repeat_penalty = 1.0f,
+        .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = -1,
+    };
+    int rc = parse_args(argc, argv, &a);
+    if (rc != 0) {
+        return rc < 0 ? 0 : 1;
+    }
+    powerinfer_log_set_level(a.verbose ? POWERINFER_LOG_INFO : POWERINFER_LOG_ERROR);
+
+    char * prompt = NULL;
+    if (a.prompt_file) {
+        prompt = read_file(a.prompt_file);
+        if (!prompt) {
+            fprintf(stderr, "error: cannot read prompt file '%s': %s\n", a.prompt_file, strerror(errno));
+            return 1;
+        }
+    } else {
+        prompt = strdup(a.prompt ? a.prompt : "");
+    }
+
+    struct powerinfer_model_params mp = powerinfer_model_default_params();
+    mp.n_threads       = a.n_threads;
+    mp.vram_budget_gib = a.vram_budget;
+    mp.n_gpu_layers    = a.n_gpu_layers;
+    struct powerinfer_model * model = powerinfer_model_load(a.model, mp);
+    if (!model) {
+        fprintf(stderr, "error: failed to load model: %s\n", powerinfer_last_error());
+        free(prompt);
+        return 1;
+    }
+
+    struct powerinfer_context_params cp = powerinfer_context_default_params();
+    cp.n_ctx           = (uint32_t) a.n_ctx;
+    if (cp.n_ctx == 0 || cp.n_ctx > (uint32_t) powerinfer_model_n_ctx_train(model)) {
+        cp.n_ctx = (uint32_t) powerinfer_model_n_ctx_train(model);
+    }
+    cp.n_batch         = (uint32_t) a.n_batch;
+    cp.seed            = a.seed;
+    cp.n_threads       = a.n_threads;
+    cp.n_threads_batch = a.n_threads_batch;
+    cp.flash_attn      = a.flash_attn;
+    struct powerinfer_context * ctx = powerinfer_context_new(model, cp);
+    if (!ctx) {
+        fprintf(stderr, "error: failed to create context: %s\n", powerinfer_last_error());
+        powerinfer_model_free(model);
+        free(prompt);
+        return 1;
+    }
+
+    sp.seed            = a.seed;
+    sp.temp            = a.temp;
+    sp.top_k           = a.top_k;
+    sp.top_p           = a.top_p;
+    sp.min_p           = a.min_p;
+    sp.penalty_repeat  = a.repeat_penalty;
+    sp.penalty_last_n  = a.repeat_last_n;
+    struct powerinfer_sampler * smpl = powerinfer_sampler_new(model, sp);
+    if (!smpl) {
+        fprintf(stderr, "error: invalid sampling parameters: %s\n", powerinfer_last_error());
+        powerinfer_context_free(ctx);
+        powerinfer_model_free(model);
+        free(prompt);
+        return 1;
+    }
+
+    int status = 1;
+    const int32_t n_ctx = (int32_t) powerinfer_n_ctx(ctx);
+    const size_t plen = strlen(prompt);
+    powerinfer_token * tokens = NULL;
+    int32_t n_prompt = 0;
+    if (plen > INT32_MAX) {
+        fprintf(stderr, "error: the prompt is too long\n");
+        goto done;
+    }
+    n_prompt = -powerinfer_tokenize(model, prompt, (int32_t) plen, NULL, 0, powerinfer_vocab_add_bos(model), true);
+    if (n_prompt < 0) n_prompt = -n_prompt; // an empty prompt returns 0 or the BOS count
+    tokens = malloc(((size_t) n_prompt + 1) * sizeof(powerinfer_token));
+    if (!tokens) {
+        fprintf(stderr, "error: out of memory\n");
+        goto done;
+    }
+    n_prompt = powerinfer_tokenize(model, prompt, (int32_t) plen, tokens, n_prompt + 1, powerinfer_vocab_add_bos(model), true);
+    if (n_prompt < 0) {
+        fprintf(stderr, "error: tokenization failed: %s\n", powerinfer_last_error());
+        goto done;
+    }
+    if (n_prompt == 0) {
+        // Nothing to condition on: start from BOS (or EOS if the vocabulary has no BOS), as llama.cpp does.
+        powerinfer_token start = powerinfer_token_bos(model) >= 0 ? powerinfer_token_bos(model) : powerinfer_token_eos(model);
+        if (start < 0) {
+            fprintf(stderr, "error: empty prompt and the vocabulary has no BOS/EOS token to start from\n");
+            goto done;
+        }
+        tokens[n_prompt++] = start;
+    }
+    if (n_prompt >= n_ctx) {
+        fprintf(stderr, "error: the prompt is %d tokens long, which does not fit in the context of %d tokens (use -c)\n",
+                n_prompt, n_ctx);
+        goto done;
+    }
+
+    fputs(prompt, stdout);
+    fflush(stdout);
+    for (int32_t i = 0; i < n_prompt; ++i) {
+        powerinfer_sampler_accept(smpl, tokens[i]);
+    }
+    if (powerinfer_decode(ctx, tokens, n_prompt, 0, false) != POWERINFER_OK) {
+        fprintf(stderr, "\nerror: prompt evaluation failed: %s\n", powerinfer_last_error());
+        goto done;
+    }
+    int32_t pos = n_prompt;
+    for (int32_t n_gen = 0; a.n_predict < 0 || n_gen < a.n_predict; ++n_gen) {
+        powerinfer_token tok = powerinfer_sampler_sample(smpl, ctx, -1);
+        if (tok < 0) {
+            fprintf(stderr, "\nerror: sampling failed: %s\n", powerinfer_last_error());
+            goto done;
+        }
+        if (!a.ignore_eos && powerinfer_token_is_eog(model, tok)) {
+            break;
+        }
+        print_piece(model, tok);
+        if (pos >= n_ctx) {
+            fprintf(stderr, "\n[context of %d tokens is full]\n", n_ctx);
+            break;
+        }
+        if (powerinfer_decode(ctx, &tok, 1, pos, false) != POWERINFER_OK) {
+            fprintf(stderr, "\nerror: decode failed: %s\n", powerinfer_last_error());
+            goto done;
+        }
+        ++pos;
+    }
+    printf("\n");
+    fflush(stdout);
+    status = 0;
+
+    struct powerinfer_timings t = powerinfer_get_timings(ctx);
+    fprintf(stderr, "\n");
+    fprintf(stderr, "load time   = %10.2f ms\n", t.t_load_ms);
+    fprintf(stderr, "prompt eval = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)\n",
+            t.t_prompt_ms, t.n_prompt, t.n_prompt ? t.t_prompt_ms / t.n_prompt : 0.0,
+            t.t_prompt_ms > 0 ? 1e3 * t.n_prompt / t.t_prompt_ms : 0.0);
+    fprintf(stderr, "eval        = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)\n",
+            t.t_eval_ms, t.n_eval, t.n_eval ? t.t_eval_ms / t.n_eval : 0.0,
+            t.t_eval_ms > 0 ? 1e3 * t.n_eval / t.t_eval_ms : 0.0);
+
+done:
+    free(tokens);
+    powerinfer_sampler_free(smpl);
+    powerinfer_context_free(ctx);
+    powerinfer_model_free(model);
+    free(prompt);
+    return status;
+}

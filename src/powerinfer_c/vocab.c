@@ -1,0 +1,90 @@
+// vocab.c - tokenizer and detokenizer: libllama's vocabulary, loaded vocab-only
+// from the same model file, so tokenization is exactly llama.cpp's.
+#include "powerinfer-impl.h"
+
+#include "llama.h"
+
+#include <pthread.h>
+
+static pthread_once_t g_backend_once = PTHREAD_ONCE_INIT;
+
+static void backend_init_once(void) {
+    llama_backend_init();
+}
+
+int32_t pi_vocab_load(struct powerinfer_model * model) {
+    pthread_once(&g_backend_once, backend_init_once);
+    struct llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = true;
+    model->llm_vocab_model = llama_model_load_from_file(model->path, mp);
+    if (!model->llm_vocab_model) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "libllama could not load the vocabulary of '%s'", model->path);
+    }
+    model->vocab = llama_model_get_vocab(model->llm_vocab_model);
+    const int32_t n_tokens = llama_vocab_n_tokens(model->vocab);
+    if (n_tokens > model->hp.n_vocab) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "the vocabulary has %d tokens but token_embd.weight has only %d rows",
+                       n_tokens, model->hp.n_vocab);
+    }
+    return POWERINFER_OK;
+}
+
+void pi_vocab_free(struct powerinfer_model * model) {
+    if (model->llm_vocab_model) {
+        llama_model_free(model->llm_vocab_model);
+        model->llm_vocab_model = NULL;
+        model->vocab           = NULL;
+    }
+}
+
+powerinfer_token powerinfer_token_bos(const struct powerinfer_model * model) {
+    return llama_vocab_bos(model->vocab);
+}
+
+powerinfer_token powerinfer_token_eos(const struct powerinfer_model * model) {
+    return llama_vocab_eos(model->vocab);
+}
+
+bool powerinfer_token_is_eog(const struct powerinfer_model * model, powerinfer_token token) {
+    return llama_vocab_is_eog(model->vocab, token);
+}
+
+bool powerinfer_vocab_add_bos(const struct powerinfer_model * model) {
+    return llama_vocab_get_add_bos(model->vocab);
+}
+
+int32_t powerinfer_tokenize(const struct powerinfer_model * model, const char * text, int32_t text_len,
+                            powerinfer_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special) {
+    if (!text || text_len < 0 || n_tokens_max < 0 || (n_tokens_max > 0 && !tokens)) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_tokenize: invalid arguments");
+        return INT32_MIN;
+    }
+    int32_t n = llama_tokenize(model->vocab, text, text_len, tokens, n_tokens_max, add_special, parse_special);
+    if (n == INT32_MIN) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_tokenize: the text yields more than 2^31 tokens");
+    }
+    return n;
+}
+
+int32_t powerinfer_token_to_piece(const struct powerinfer_model * model, powerinfer_token token,
+                                  char * buf, int32_t buf_size, bool special) {
+    if (token < 0 || token >= llama_vocab_n_tokens(model->vocab)) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "token id %d is out of range [0, %d)", token,
+                llama_vocab_n_tokens(model->vocab));
+        return INT32_MIN;
+    }
+    return llama_token_to_piece(model->vocab, token, buf, buf_size, 0, special);
+}
+
+int32_t powerinfer_detokenize(const struct powerinfer_model * model, const powerinfer_token * tokens,
+                              int32_t n_tokens, char * text, int32_t text_len_max,
+                              bool remove_special, bool unparse_special) {
+    const int32_t n_vocab = llama_vocab_n_tokens(model->vocab);
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            pi_fail(POWERINFER_ERR_INVALID_ARG, "token id %d is out of range [0, %d)", tokens[i], n_vocab);
+            return INT32_MIN;
+        }
+    }
+    return llama_detokenize(model->vocab, tokens, n_tokens, text, text_len_max, remove_special, unparse_special);
+}
