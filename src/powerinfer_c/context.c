@@ -73,6 +73,10 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_context_new: model is NULL");
         return NULL;
     }
+    if (model->params.vocab_only) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "the model was loaded with vocab_only; it has no weights to run");
+        return NULL;
+    }
     if (params.n_ctx == 0) {
         params.n_ctx = (uint32_t) model->hp.n_ctx_train;
     }

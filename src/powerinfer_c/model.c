@@ -282,6 +282,7 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .vram_budget_gib = -1.0f,
         .n_gpu_layers    = 0,
         .use_mmap        = true,
+        .vocab_only      = false,
     };
     return p;
 }
@@ -301,11 +302,16 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
     }
     model->params = params;
     model->path   = strdup(path);
-    if (!model->path ||
-        pi_model_load_file(model, path) != POWERINFER_OK ||
-        pi_model_load_hparams(model) != POWERINFER_OK ||
-        pi_model_bind_tensors(model) != POWERINFER_OK ||
-        pi_vocab_load(model) != POWERINFER_OK) {
+    bool ok = model->path && pi_model_load_file(model, path) == POWERINFER_OK;
+    if (ok && params.vocab_only) {
+        const char * arch = get_str(model, "general.architecture");
+        snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch ? arch : "");
+    } else {
+        ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK;
+    }
+    ok = ok && pi_vocab_load(model) == POWERINFER_OK;
+    if (!ok) {
+        if (!model->path) pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         powerinfer_model_free(model);
         return NULL;
     }

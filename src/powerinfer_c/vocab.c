@@ -22,7 +22,9 @@ int32_t pi_vocab_load(struct powerinfer_model * model) {
     }
     model->vocab = llama_model_get_vocab(model->llm_vocab_model);
     const int32_t n_tokens = llama_vocab_n_tokens(model->vocab);
-    if (n_tokens > model->hp.n_vocab) {
+    if (model->params.vocab_only) {
+        model->hp.n_vocab = n_tokens;
+    } else if (n_tokens > model->hp.n_vocab) {
         return pi_fail(POWERINFER_ERR_FORMAT, "the vocabulary has %d tokens but token_embd.weight has only %d rows",
                        n_tokens, model->hp.n_vocab);
     }
