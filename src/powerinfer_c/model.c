@@ -274,6 +274,32 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
     return POWERINFER_OK;
 }
 
+// Dense matmul weights go to the repacked layouts where the CPU backend has one.
+static int32_t repack_dense_weights(struct powerinfer_model * model) {
+    const int32_t per_layer = 7;
+    struct ggml_tensor *** w = malloc(sizeof(*w) * ((size_t) per_layer * model->hp.n_layer + 1));
+    if (!w) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    int32_t n = 0;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        w[n++] = &l->wq;
+        w[n++] = &l->wk;
+        w[n++] = &l->wv;
+        w[n++] = &l->wo;
+        if (l->ffn_gate) w[n++] = &l->ffn_gate;
+        w[n++] = &l->ffn_up;
+        w[n++] = &l->ffn_down;
+    }
+    if (model->output != model->tok_embd) {
+        w[n++] = &model->output;
+    }
+    int32_t rc = pi_repack_weights(model, w, n);
+    free(w);
+    return rc;
+}
+
 // ---- public API ----------------------------------------------------------------
 
 struct powerinfer_model_params powerinfer_model_default_params(void) {
@@ -282,6 +308,7 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .vram_budget_gib = -1.0f,
         .n_gpu_layers    = 0,
         .use_mmap        = true,
+        .use_repack      = true,
         .vocab_only      = false,
     };
     return p;
@@ -308,6 +335,7 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch ? arch : "");
     } else {
         ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK;
+        ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
     }
     ok = ok && pi_vocab_load(model) == POWERINFER_OK;
     if (!ok) {
@@ -327,6 +355,7 @@ void powerinfer_model_free(struct powerinfer_model * model) {
         return;
     }
     pi_vocab_free(model);
+    pi_repack_free(model);
     pi_model_unload_file(model);
     free(model->path);
     free(model);

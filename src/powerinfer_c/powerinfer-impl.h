@@ -16,6 +16,7 @@ struct llama_vocab;
 
 #define PI_MAX_LAYERS 512
 #define PI_GRAPH_MAX_NODES 8192
+#define PI_MAX_REPACK_BUFS 8
 
 // ---- errors and logging (error.c) ----
 // Records the message for powerinfer_last_error() and returns status (for `return pi_fail(...)`).
@@ -82,6 +83,10 @@ struct powerinfer_model {
     struct ggml_context * ctx_meta; // tensor descriptors, data points into the mapping
     struct pi_mapping     map;
     ggml_backend_buffer_t buf_weights;
+    // weights moved into the CPU backend's repacked buffer types (repack.c)
+    struct ggml_context * repack_ctx[PI_MAX_REPACK_BUFS];
+    ggml_backend_buffer_t repack_buf[PI_MAX_REPACK_BUFS];
+    int32_t               n_repack_bufs;
     uint64_t              n_bytes;
     uint64_t              n_params;
 
@@ -106,6 +111,12 @@ void    pi_model_unload_file(struct powerinfer_model * model);
 // ---- model.c ----
 int32_t pi_model_load_hparams(struct powerinfer_model * model);
 int32_t pi_model_bind_tensors(struct powerinfer_model * model);
+
+// ---- repack.c ----
+// Offers the pointed-to mapped weights to the CPU backend's repacked buffer types;
+// moved tensors are replaced in place (each pointer offered at most once).
+int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor ** weights[], int32_t n_weights);
+void    pi_repack_free(struct powerinfer_model * model);
 
 // ---- vocab.c ----
 int32_t pi_vocab_load(struct powerinfer_model * model);

@@ -57,6 +57,7 @@ struct powerinfer_model_params {
     float   vram_budget_gib;// device memory budget in GiB; < 0: automatic (used by hybrid placement)
     int32_t n_gpu_layers;   // accepted for llama.cpp compatibility (hybrid placement decides)
     bool    use_mmap;       // map the weights instead of reading them (default true)
+    bool    use_repack;     // dense matmul weights in the CPU backend's repacked layouts, as llama.cpp (default true)
     bool    vocab_only;     // load only metadata and the vocabulary (any architecture); no context can be made
 };
 
