@@ -11,6 +11,10 @@
 
 #define PI_DEFAULT_N_BATCH 512u
 #define PI_MAX_N_CTX       (1u << 22)
+// Attention spans the cache in steps of this many cells (llama.cpp's padding). The
+// extra cells are masked out; matching the padding keeps our sums in the same order
+// as llama.cpp's, so quantized activations round the same way and tokens agree.
+#define PI_KV_PAD          256u
 
 static int32_t default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -80,6 +84,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     if (params.n_ctx == 0) {
         params.n_ctx = (uint32_t) model->hp.n_ctx_train;
     }
+    params.n_ctx = GGML_PAD(params.n_ctx, PI_KV_PAD);
     if (params.n_ctx > PI_MAX_N_CTX) {
         pi_fail(POWERINFER_ERR_INVALID_ARG, "n_ctx = %u is larger than the supported maximum %u", params.n_ctx, PI_MAX_N_CTX);
         return NULL;
@@ -199,10 +204,12 @@ static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * ma
 // Computes one chunk of at most n_batch tokens; writes n_outputs rows of logits to out.
 static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens,
                             int32_t pos0, int32_t n_outputs, float * out) {
+    const uint32_t used = (uint32_t) (pos0 + n_tokens);
+    const uint32_t pad  = GGML_PAD(used, PI_KV_PAD);
     struct pi_graph_params gp = {
         .n_tokens   = n_tokens,
         .pos0       = pos0,
-        .n_kv       = pos0 + n_tokens,
+        .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
     };

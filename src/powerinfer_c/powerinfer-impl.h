@@ -149,7 +149,7 @@ struct pi_graph_inputs {
 struct pi_graph_params {
     int32_t n_tokens;
     int32_t pos0;       // position of the first token
-    int32_t n_kv;       // cache cells attended: pos0 + n_tokens
+    int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // 1 or n_tokens
     bool    flash_attn;
 };

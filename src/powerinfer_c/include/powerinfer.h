@@ -62,7 +62,7 @@ struct powerinfer_model_params {
 };
 
 struct powerinfer_context_params {
-    uint32_t n_ctx;           // KV cache size in tokens; 0: the model's training context
+    uint32_t n_ctx;           // KV cache size in tokens, rounded up to a multiple of 256 as llama.cpp does; 0: the model's training context
     uint32_t n_batch;         // largest number of tokens computed in one graph
     uint32_t seed;            // default seed for samplers created without one
     int32_t  n_threads;       // decode threads; <= 0: the model's n_threads
