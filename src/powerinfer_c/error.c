@@ -8,7 +8,8 @@
 #include <string.h>
 #include <time.h>
 
-static _Thread_local char g_last_error[1024];
+static _Thread_local char    g_last_error[1024];
+static _Thread_local int32_t g_last_status = POWERINFER_OK;
 static int32_t g_log_level = POWERINFER_LOG_WARN;
 
 int32_t pi_fail(int32_t status, const char * fmt, ...) {
@@ -16,12 +17,18 @@ int32_t pi_fail(int32_t status, const char * fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
     va_end(ap);
+    g_last_status = status;
     pi_log(POWERINFER_LOG_INFO, "error: %s\n", g_last_error);
     return status;
 }
 
 void pi_clear_error(void) {
     g_last_error[0] = '\0';
+    g_last_status   = POWERINFER_OK;
+}
+
+int32_t powerinfer_last_status(void) {
+    return g_last_status;
 }
 
 const char * powerinfer_last_error(void) {

@@ -94,6 +94,8 @@ struct powerinfer_timings {
 // ---- errors and logging ----------------------------------------------------
 // Message of the last failed call on this thread ("" if none).
 POWERINFER_API const char * powerinfer_last_error(void);
+// Status (enum powerinfer_status) of the last failed call on this thread (POWERINFER_OK if none).
+POWERINFER_API int32_t powerinfer_last_status(void);
 // Messages from the core, ggml and libllama at or above this level go to stderr.
 POWERINFER_API void powerinfer_log_set_level(int32_t level);
 POWERINFER_API const char * powerinfer_version(void);
