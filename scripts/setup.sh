@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Set up this checkout from nothing (Debian, Python >= 3.9, gcc, cmake): .venv, a cached
+# source build of llama-cpp-python 0.3.36 (our ggml + libllama), the Python deps, the
+# project itself (editable) and the CLI in build/bin. Idempotent: re-running skips what
+# is done and only re-runs the (incremental) CMake build.
+#
+# Environment:
+#   POWERINFER_CACHE          cache root (default ~/.cache/powerinfer-py), shared with
+#                             powerinfer_py.models; the llama wheel goes to
+#                             $POWERINFER_CACHE/wheels-llama-<hash>/
+#   CMAKE_ARGS                passed to the llama-cpp-python build, e.g. "-DGGML_CUDA=on";
+#                             part of <hash>, so a different value builds another wheel
+#   POWERINFER_LLAMA_CFLAGS   C/C++ flags of that build (default on x86_64: no AMX, see below)
+#   PYTHON                    interpreter that creates .venv (default python3)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+LLAMA_VERSION=0.3.36
+CACHE=${POWERINFER_CACHE:-$HOME/.cache/powerinfer-py}
+VENV=$ROOT/.venv
+VPY=$VENV/bin/python
+JOBS=$(nproc 2>/dev/null || echo 2)
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
+# Python deps of the project, its tests and its build (we build with --no-build-isolation
+# so the build sees the installed llama-cpp-python). llama-cpp-python is installed with
+# --no-deps; numpy, typing-extensions, diskcache and jinja2 are its runtime deps.
+DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
+      scikit-build-core cmake ninja)
+
+phase() { printf '\n==> %s\n' "$*"; }
+note() { printf '    %s\n' "$*"; }
+
+# --------------------------------------------------------------------------- venv
+phase "virtual environment: $VENV"
+if [ ! -x "$VPY" ]; then
+    PY=${PYTHON:-python3}
+    if ! "$PY" -m venv "$VENV"; then
+        # Debian ships venv's ensurepip in a separate package.
+        rm -rf "$VENV"
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+            apt-get update -qq
+            apt-get install -y -qq "python${pyver}-venv" || apt-get install -y -qq python3-venv
+            "$PY" -m venv "$VENV"
+        else
+            echo "error: '$PY -m venv' failed; install your distribution's python3-venv package" >&2
+            exit 1
+        fi
+    fi
+    note "created with $("$VPY" --version)"
+else
+    note "exists ($("$VPY" --version))"
+fi
+if ! "$VPY" -m pip --version >/dev/null 2>&1; then
+    "$VPY" -m ensurepip --default-pip
+fi
+PIP=("$VPY" -m pip)
+
+# --------------------------------------------------------------------------- llama-cpp-python wheel
+# A default source build of llama-cpp-python 0.3.36 segfaults at the first decode on
+# CPUs with AMX (gcc miscompiles ggml's AMX tile setup, llama.cpp issue 20824): build
+# without AMX codegen, which keeps AVX512/VNNI/BF16. pip's wheel cache ignores CFLAGS,
+# so we build explicitly (--no-cache-dir) into a folder keyed by the flags.
+if [ -n "${POWERINFER_LLAMA_CFLAGS+x}" ]; then
+    LLAMA_CFLAGS=$POWERINFER_LLAMA_CFLAGS
+elif [ "$(uname -m)" = x86_64 ]; then
+    LLAMA_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+else
+    LLAMA_CFLAGS=""  # the -mno-amx-* options exist only on x86
+fi
+LLAMA_CMAKE_ARGS=${CMAKE_ARGS:-}
+LLAMA_KEY=$(printf 'llama-cpp-python==%s\nCFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' \
+    "$LLAMA_VERSION" "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
+WHEEL_DIR=$CACHE/wheels-llama-$LLAMA_KEY
+phase "llama-cpp-python $LLAMA_VERSION wheel: $WHEEL_DIR"
+note "CFLAGS=CXXFLAGS='$LLAMA_CFLAGS' CMAKE_ARGS='$LLAMA_CMAKE_ARGS'"
+mkdir -p "$WHEEL_DIR"
+
+find_llama_wheel() {  # $1: folder. Its wheels are py3-none-<platform>: any Python 3 takes them.
+    local w
+    for w in "$1"/llama_cpp_python-"$LLAMA_VERSION"-*.whl; do
+        [ -f "$w" ] && { echo "$w"; return 0; }
+    done
+    return 1
+}
+
+# Serialize concurrent set-ups (two checkouts, CI and a developer) on the same cache.
+if command -v flock >/dev/null; then
+    exec 9>"$WHEEL_DIR.lock"
+    flock 9
+fi
+
+WHEEL=$(find_llama_wheel "$WHEEL_DIR" || true)
+if [ -z "$WHEEL" ]; then
+    note "building from source; the first build takes ~10 minutes (2 cores), later runs reuse it"
+    tmp=$(mktemp -d "$WHEEL_DIR/.build.XXXXXX")
+    trap 'rm -rf "$tmp"' EXIT
+    CFLAGS="$LLAMA_CFLAGS" CXXFLAGS="$LLAMA_CFLAGS" CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
+        "${PIP[@]}" wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
+        -w "$tmp" "llama-cpp-python==$LLAMA_VERSION" 2>&1 | tee "$WHEEL_DIR/build.log"
+    built=$(find_llama_wheel "$tmp") || { echo "error: the build produced no wheel in $tmp" >&2; exit 1; }
+    mv "$built" "$WHEEL_DIR/"
+    WHEEL=$WHEEL_DIR/$(basename "$built")
+    rm -rf "$tmp"
+    trap - EXIT
+    printf 'CFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" \
+        "$LLAMA_CMAKE_ARGS" >"$WHEEL_DIR/flags.txt"
+else
+    note "cached: $(basename "$WHEEL")"
+fi
+[ -f "$WHEEL_DIR/flags.txt" ] || printf 'CFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' \
+    "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS" >"$WHEEL_DIR/flags.txt"
+if command -v flock >/dev/null; then
+    flock -u 9
+fi
+
+phase "install llama-cpp-python into .venv"
+installed=$("$VPY" -c 'import importlib.metadata as m
+try:
+    print(m.version("llama_cpp_python"))
+except m.PackageNotFoundError:
+    print("none")')
+LLAMA_STAMP=$VENV/.powerinfer-llama-wheel
+want="$LLAMA_KEY $(basename "$WHEEL")"
+if [ "$installed" = "$LLAMA_VERSION" ] && [ "$(cat "$LLAMA_STAMP" 2>/dev/null)" = "$want" ]; then
+    note "already installed ($installed, from $(basename "$WHEEL_DIR"))"
+else
+    # --force-reinstall: a 0.3.36 from elsewhere (PyPI's cache, other flags) is replaced.
+    "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL"
+    echo "$want" >"$LLAMA_STAMP"
+fi
+
+# --------------------------------------------------------------------------- Python deps
+phase "Python dependencies"
+DEPS_STAMP=$VENV/.powerinfer-deps
+if [ "$(cat "$DEPS_STAMP" 2>/dev/null)" = "${DEPS[*]}" ]; then
+    note "already installed: ${DEPS[*]}"
+else
+    "${PIP[@]}" install "${DEPS[@]}"
+    echo "${DEPS[*]}" >"$DEPS_STAMP"
+fi
+
+# --------------------------------------------------------------------------- the project
+# Reinstall when the build inputs change: build files, C sources, the llama wheel, and
+# the list of Python files (an editable install maps files known at install time).
+project_hash() {
+    {
+        for f in pyproject.toml CMakeLists.txt; do
+            [ -f "$f" ] && sha256sum "$f"
+        done
+        for d in src include vendor cmake tools; do
+            [ -d "$d" ] && find "$d" -type f -print0 | sort -z | xargs -0 -r sha256sum
+        done
+        [ -d powerinfer_py ] && find powerinfer_py -type f -name '*.py' | sort
+        echo "$want"
+    } | sha256sum | cut -c1-16
+}
+
+phase "project (editable install, --no-build-isolation)"
+PROJECT_STAMP=$VENV/.powerinfer-project
+h=$(project_hash)
+if [ "$(cat "$PROJECT_STAMP" 2>/dev/null)" = "$h" ]; then
+    note "up to date"
+else
+    rm -f "$PROJECT_STAMP"
+    "${PIP[@]}" install --no-build-isolation -e .
+    echo "$h" >"$PROJECT_STAMP"
+fi
+
+# --------------------------------------------------------------------------- the CLI
+phase "CLI (cmake build in build/)"
+CMAKE=cmake
+[ -x "$VENV/bin/cmake" ] && CMAKE=$VENV/bin/cmake
+"$CMAKE" -S . -B build -DPython3_EXECUTABLE="$VPY" -DCMAKE_BUILD_TYPE=Release
+"$CMAKE" --build build -j "$JOBS"
+
+phase "setup done"
