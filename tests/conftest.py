@@ -1,0 +1,113 @@
+"""Shared fixtures: the real test models, llama-cpp-python reference instances and ours.
+
+Models are fetched on first use by powerinfer_py.models (cached afterwards). Every
+instance is session-scoped and built once: loading is the slow part on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Dict
+
+import pytest
+
+MODEL_NAMES = ["smollm2", "qwen2.5-coder-0.5b"]
+N_THREADS = 2
+N_CTX = 512
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+CLI_PATH = REPO_DIR / "build" / "bin" / "main"
+
+
+@pytest.fixture(scope="session")
+def model_file() -> Callable[[str], str]:
+    """name -> path of the verified GGUF (fetched if needed)."""
+    from powerinfer_py.models import model_path
+
+    cache: Dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = model_path(name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(model_file) -> str:
+    return model_file("smollm2")
+
+
+@pytest.fixture(scope="session")
+def qwen_path(model_file) -> str:
+    return model_file("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def ref_llama(model_file):
+    """name -> llama_cpp.Llama reference (logits_all=True so tests can read its scores)."""
+    import llama_cpp
+
+    cache: Dict[str, "llama_cpp.Llama"] = {}
+
+    def get(name: str) -> "llama_cpp.Llama":
+        if name not in cache:
+            cache[name] = llama_cpp.Llama(
+                model_path=model_file(name),
+                n_ctx=N_CTX,
+                n_batch=N_CTX,
+                n_threads=N_THREADS,
+                n_threads_batch=N_THREADS,
+                logits_all=True,
+                verbose=False,
+            )
+        return cache[name]
+
+    yield get
+    for llm in cache.values():
+        llm.close()
+
+
+@pytest.fixture(scope="session")
+def our_llama(model_file):
+    """name -> powerinfer_py.Llama on the same file and settings as ref_llama."""
+    from powerinfer_py import Llama
+
+    cache: Dict[str, Llama] = {}
+
+    def get(name: str) -> Llama:
+        if name not in cache:
+            llm = Llama(
+                model_file(name),
+                n_ctx=N_CTX,
+                n_batch=N_CTX,
+                n_threads=N_THREADS,
+                n_threads_batch=N_THREADS,
+                fallback=False,
+                verbose=False,
+            )
+            assert llm.engine == "powerinfer"
+            cache[name] = llm
+        return cache[name]
+
+    yield get
+    for llm in cache.values():
+        llm.close()
+
+
+@pytest.fixture(scope="session")
+def vocab_fixtures_dir() -> Path:
+    from powerinfer_py.models import llama_cpp_sdist_dir
+
+    return Path(llama_cpp_sdist_dir())
+
+
+@pytest.fixture(scope="session")
+def cli_path() -> Path:
+    """The `main` CLI built by CMake; CLI cases are skipped when it is not built."""
+    path = Path(os.environ.get("POWERINFER_CLI", CLI_PATH))
+    if not path.is_file():
+        pytest.skip(f"{path} is not built (cmake -S . -B build && cmake --build build)")
+    return path
