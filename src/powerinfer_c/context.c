@@ -29,6 +29,7 @@ struct powerinfer_context_params powerinfer_context_default_params(void) {
         .n_threads       = 0,
         .n_threads_batch = 0,
         .flash_attn      = false,
+        .embeddings      = false,
     };
     return p;
 }
@@ -137,6 +138,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     free(ctx->graph_buf);
     free(ctx->scratch);
     free(ctx->logits);
+    free(ctx->embd);
     free(ctx);
 }
 
@@ -148,7 +150,7 @@ void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads
     if (n_threads_batch > 0) ctx->params.n_threads_batch = n_threads_batch;
 }
 
-static int32_t ensure_logits(struct powerinfer_context * ctx, int32_t rows) {
+int32_t pi_context_reserve_outputs(struct powerinfer_context * ctx, int32_t rows) {
     if (rows <= ctx->logits_capacity) {
         return POWERINFER_OK;
     }
@@ -156,7 +158,14 @@ static int32_t ensure_logits(struct powerinfer_context * ctx, int32_t rows) {
     if (!p) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate logits for %d tokens", rows);
     }
-    ctx->logits          = p;
+    ctx->logits = p;
+    if (ctx->params.embeddings) {
+        float * e = realloc(ctx->embd, (size_t) rows * ctx->model->hp.n_embd * sizeof(float));
+        if (!e) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate embeddings for %d tokens", rows);
+        }
+        ctx->embd = e;
+    }
     ctx->logits_capacity = rows;
     return POWERINFER_OK;
 }
@@ -201,9 +210,10 @@ static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * ma
     return POWERINFER_OK;
 }
 
-// Computes one chunk of at most n_batch tokens; writes n_outputs rows of logits to out.
+// Computes one chunk of at most n_batch tokens; writes n_outputs rows of logits to out
+// (and of hidden states to out_embd), when given.
 static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens,
-                            int32_t pos0, int32_t n_outputs, float * out) {
+                            int32_t pos0, int32_t n_outputs, float * out, float * out_embd) {
     const uint32_t used = (uint32_t) (pos0 + n_tokens);
     const uint32_t pad  = GGML_PAD(used, PI_KV_PAD);
     struct pi_graph_params gp = {
@@ -251,6 +261,9 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     if (out) {
         ggml_backend_tensor_get(in.logits, out, 0, (size_t) n_outputs * ctx->model->hp.n_vocab * sizeof(float));
     }
+    if (out_embd) {
+        ggml_backend_tensor_get(in.embd, out_embd, 0, (size_t) n_outputs * ctx->model->hp.n_embd * sizeof(float));
+    }
     return POWERINFER_OK;
 }
 
@@ -275,7 +288,7 @@ int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_toke
             return pi_fail(POWERINFER_ERR_INVALID_ARG, "token %d at index %d is out of range [0, %d)", tokens[i], i, n_vocab);
         }
     }
-    int32_t rc = ensure_logits(ctx, logits_all ? n_tokens : 1);
+    int32_t rc = pi_context_reserve_outputs(ctx, logits_all ? n_tokens : 1);
     if (rc != POWERINFER_OK) {
         return rc;
     }
@@ -289,8 +302,11 @@ int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_toke
         const bool    last = done + n == n_tokens;
         // Chunks before the last compute one throw-away output row unless every row is wanted.
         const int32_t n_out = logits_all ? n : 1;
-        float * out = logits_all ? ctx->logits + (size_t) done * n_vocab : (last ? ctx->logits : NULL);
-        rc = decode_chunk(ctx, tokens + done, n, pos + done, n_out, out);
+        const size_t row = logits_all ? (size_t) done : 0;
+        const bool   keep = logits_all || last;
+        float * out  = keep ? ctx->logits + row * n_vocab : NULL;
+        float * embd = keep && ctx->embd ? ctx->embd + row * ctx->model->hp.n_embd : NULL;
+        rc = decode_chunk(ctx, tokens + done, n, pos + done, n_out, out, embd);
         if (rc != POWERINFER_OK) {
             return rc;
         }
@@ -323,6 +339,15 @@ float * powerinfer_get_logits_ith(struct powerinfer_context * ctx, int32_t i) {
         return NULL;
     }
     return ctx->logits + (size_t) i * ctx->model->hp.n_vocab;
+}
+
+float * powerinfer_get_embeddings_ith(struct powerinfer_context * ctx, int32_t i) {
+    if (!ctx->embd) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "embeddings were not enabled for this context");
+        return NULL;
+    }
+    return powerinfer_get_logits_ith(ctx, i) ? ctx->embd + (size_t) (i < 0 ? i + ctx->n_outputs : i) * ctx->model->hp.n_embd
+                                            : NULL;
 }
 
 int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx) {

@@ -145,6 +145,9 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     }
 
     struct ggml_tensor * cur = build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
+    in->embd = cur;
+    ggml_set_name(in->embd, "result_norm");
+    ggml_set_output(in->embd);
     in->logits = ggml_mul_mat(ctx, model->output, cur);  // [n_vocab, n_outputs]
     ggml_set_name(in->logits, "result_output");
     ggml_set_output(in->logits);

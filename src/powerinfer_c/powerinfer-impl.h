@@ -144,6 +144,7 @@ struct pi_graph_inputs {
     struct ggml_tensor * kq_mask;  // F32/F16 [n_kv, n_tokens]
     struct ggml_tensor * out_ids;  // I32 [n_outputs], NULL when every row is an output
     struct ggml_tensor * logits;   // F32 [n_vocab, n_outputs]
+    struct ggml_tensor * embd;     // F32 [n_embd, n_outputs], final-norm hidden states
 };
 
 struct pi_graph_params {
@@ -171,8 +172,12 @@ struct powerinfer_context {
     float *            scratch;        // host staging for the attention mask
     size_t             scratch_size;
     float *            logits;         // [n_outputs, n_vocab]
+    float *            embd;           // [n_outputs, n_embd] when params.embeddings
     int32_t            n_outputs;
     int32_t            logits_capacity; // rows
 
     struct powerinfer_timings timings;
 };
+
+// Makes room for `rows` rows of logits (and embeddings, when enabled).
+int32_t pi_context_reserve_outputs(struct powerinfer_context * ctx, int32_t rows);

@@ -22,6 +22,12 @@ struct powerinfer_sampler_params powerinfer_sampler_default_params(void) {
         .top_p           = 0.95f,
         .min_p           = 0.05f,
         .typical_p       = 1.0f,
+        .min_keep        = 1,
+        .mirostat        = 0,
+        .mirostat_tau    = 5.0f,
+        .mirostat_eta    = 0.1f,
+        .grammar         = NULL,
+        .grammar_root    = NULL,
         .penalty_last_n  = 64,
         .penalty_repeat  = 1.0f,
         .penalty_freq    = 0.0f,
@@ -42,13 +48,19 @@ static int32_t check_params(const struct powerinfer_sampler_params * p) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "repeat penalty = %g must be > 0", p->penalty_repeat);
     if (!isfinite(p->penalty_freq) || !isfinite(p->penalty_present))
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "frequency and presence penalties must be finite");
+    if (p->min_keep < 0)
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "min_keep = %d must be >= 0", p->min_keep);
+    if (p->mirostat < 0 || p->mirostat > 2)
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "mirostat = %d must be 0, 1 or 2", p->mirostat);
+    if (!isfinite(p->mirostat_tau) || !isfinite(p->mirostat_eta))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "mirostat tau and eta must be finite");
     if (p->penalty_last_n < -1)
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "penalty_last_n = %d must be >= -1", p->penalty_last_n);
     return POWERINFER_OK;
 }
 
-// Chain order follows llama-cpp-python: penalties, then greedy, or
-// top-k -> typical -> top-p -> min-p -> temperature -> random draw.
+// Chain order follows llama-cpp-python: grammar, penalties, then greedy, or Mirostat,
+// or top-k -> typical -> top-p -> min-p -> temperature -> random draw.
 struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params p) {
     pi_clear_error();
     if (!model) {
@@ -74,6 +86,16 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
         powerinfer_sampler_free(s);
         return NULL;
     }
+    if (p.grammar && *p.grammar) {
+        struct llama_sampler * g = llama_sampler_init_grammar(model->vocab, p.grammar,
+                                                              p.grammar_root ? p.grammar_root : "root");
+        if (!g) {
+            pi_fail(POWERINFER_ERR_INVALID_ARG, "the grammar could not be parsed (see the log for the position)");
+            powerinfer_sampler_free(s);
+            return NULL;
+        }
+        llama_sampler_chain_add(s->chain, g);
+    }
     const int32_t last_n = p.penalty_last_n == -1 ? model->hp.n_ctx_train : p.penalty_last_n;
     if (last_n != 0 && (p.penalty_repeat != 1.0f || p.penalty_freq != 0.0f || p.penalty_present != 0.0f)) {
         llama_sampler_chain_add(s->chain, llama_sampler_init_penalties(s->n_vocab, last_n, p.penalty_repeat,
@@ -81,8 +103,14 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
     }
     if (p.temp <= 0.0f) {
         llama_sampler_chain_add(s->chain, llama_sampler_init_greedy());
+    } else if (p.mirostat == 1) {
+        llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
+        llama_sampler_chain_add(s->chain, llama_sampler_init_mirostat(s->n_vocab, p.seed, p.mirostat_tau, p.mirostat_eta, 100));
+    } else if (p.mirostat == 2) {
+        llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
+        llama_sampler_chain_add(s->chain, llama_sampler_init_mirostat_v2(p.seed, p.mirostat_tau, p.mirostat_eta));
     } else {
-        const size_t min_keep = 1;
+        const size_t min_keep = p.min_keep > 0 ? (size_t) p.min_keep : 1;
         if (p.top_k > 0)      llama_sampler_chain_add(s->chain, llama_sampler_init_top_k(p.top_k));
         if (p.typical_p < 1)  llama_sampler_chain_add(s->chain, llama_sampler_init_typical(p.typical_p, min_keep));
         if (p.top_p < 1)      llama_sampler_chain_add(s->chain, llama_sampler_init_top_p(p.top_p, min_keep));

@@ -68,6 +68,7 @@ struct powerinfer_context_params {
     int32_t  n_threads;       // decode threads; <= 0: the model's n_threads
     int32_t  n_threads_batch; // prompt threads; <= 0: n_threads
     bool     flash_attn;      // use ggml's flash-attention op (llama-cpp-python's default is off)
+    bool     embeddings;      // also keep the final-norm hidden states of the output rows
 };
 
 struct powerinfer_sampler_params {
@@ -77,6 +78,12 @@ struct powerinfer_sampler_params {
     float    top_p;           // >= 1: disabled
     float    min_p;           // <= 0: disabled
     float    typical_p;       // >= 1: disabled
+    int32_t  min_keep;        // candidates the truncating samplers always keep (>= 1)
+    int32_t  mirostat;        // 0: off, 1: Mirostat, 2: Mirostat 2.0 (replaces top-k/p, min-p, typical)
+    float    mirostat_tau;
+    float    mirostat_eta;
+    const char * grammar;     // GBNF grammar constraining the output; NULL or "": none
+    const char * grammar_root;// start rule; NULL: "root"
     int32_t  penalty_last_n;  // tokens considered by the penalties; 0: disabled, -1: n_ctx
     float    penalty_repeat;  // 1.0: disabled
     float    penalty_freq;    // 0.0: disabled
@@ -160,11 +167,22 @@ POWERINFER_API int32_t powerinfer_decode(struct powerinfer_context * ctx, const 
 // Number of rows of logits from the last decode, and a pointer to row i (-1: last row); NULL if out of range.
 POWERINFER_API int32_t powerinfer_n_outputs(const struct powerinfer_context * ctx);
 POWERINFER_API float * powerinfer_get_logits_ith(struct powerinfer_context * ctx, int32_t i);
+// Hidden state after the final norm, n_embd floats, for output row i (-1: last row);
+// NULL unless the context was created with embeddings = true.
+POWERINFER_API float * powerinfer_get_embeddings_ith(struct powerinfer_context * ctx, int32_t i);
 
 // Number of positions held in the KV cache.
 POWERINFER_API int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx);
 // Keeps the first n_keep positions of the KV cache (prompt-prefix reuse).
 POWERINFER_API int32_t powerinfer_kv_truncate(struct powerinfer_context * ctx, int32_t n_keep);
+
+// Context state (cached positions, their keys/values, the last logits) as bytes.
+// powerinfer_state_size is exact for the current state; save returns the bytes written
+// (0 if dst_size is too small); load returns POWERINFER_OK or a negative status and
+// refuses state from another model or a smaller context.
+POWERINFER_API size_t  powerinfer_state_size(const struct powerinfer_context * ctx);
+POWERINFER_API size_t  powerinfer_state_save(const struct powerinfer_context * ctx, uint8_t * dst, size_t dst_size);
+POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, const uint8_t * src, size_t src_size);
 
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
 POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx);
