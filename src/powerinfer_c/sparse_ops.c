@@ -1,0 +1,184 @@
+// sparse_ops.c - neuron-aware CPU operators, as ggml custom ops: the FFN computed only
+// for active neurons. Any weight type works through ggml's CPU type traits (vec_dot
+// for up/gate rows, to_float for down rows). Work is split by active count; every
+// output element is written by exactly one thread, in a fixed order, so results do
+// not depend on scheduling.
+#include "sparse_ops.h"
+
+#include "ggml-cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+// ---- active index ----------------------------------------------------------------
+
+static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const struct ggml_tensor * score = dst->src[0];
+    const float threshold = *(const float *) userdata;
+    const int64_t n_ff = score->ne[0], n_tok = score->ne[1];
+    int32_t * out = (int32_t *) dst->data;
+    int32_t n = 0;
+    for (int64_t i = 0; i < n_ff; ++i) {
+        for (int64_t t = 0; t < n_tok; ++t) {
+            const float s = *(const float *) ((const char *) score->data + i * score->nb[0] + t * score->nb[1]);
+            if (s > threshold) {
+                out[1 + n++] = (int32_t) i;
+                break;
+            }
+        }
+    }
+    out[0] = n;
+}
+
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, const float * threshold) {
+    GGML_ASSERT(score->type == GGML_TYPE_F32);
+    struct ggml_tensor * args[1] = { score };
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + 1, 1, 1, 1, args, 1, active_index_op, 1, (void *) threshold);
+}
+
+// ---- conversion of the input to the weights' vec_dot type ----------------------------
+
+static void convert_rows_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * x = dst->src[0];
+    ggml_from_float_t from_float = ggml_get_type_traits_cpu(dst->type)->from_float;
+    for (int64_t t = ith; t < x->ne[1]; t += nth) {
+        from_float((const float *) ((const char *) x->data + t * x->nb[1]), (char *) dst->data + t * dst->nb[1], x->ne[0]);
+    }
+}
+
+struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tensor * x, enum ggml_type type) {
+    if (type == GGML_TYPE_F32) {
+        return x;
+    }
+    struct ggml_tensor * args[1] = { x };
+    return ggml_custom_4d(ctx, type, x->ne[0], x->ne[1], 1, 1, args, 1, convert_rows_op, GGML_N_TASKS_MAX, NULL);
+}
+
+// Entries [k0, k1) of the active list (1-based positions in idx) handled by thread ith.
+static void split_active(int32_t n_active, int ith, int nth, int32_t * k0, int32_t * k1) {
+    *k0 = (int32_t) ((int64_t) n_active * ith / nth);
+    *k1 = (int32_t) ((int64_t) n_active * (ith + 1) / nth);
+}
+
+// ---- row-sparse matvec (up, gate) ------------------------------------------------------
+
+static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * w   = dst->src[0];
+    const struct ggml_tensor * xq  = dst->src[1];
+    const int32_t *            idx = (const int32_t *) dst->src[2]->data;
+    const int64_t n_ff = dst->ne[0], n_tok = dst->ne[1];
+    const int32_t n_active = idx[0];
+    ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+
+    int32_t k0, k1;
+    split_active(n_active, ith, nth, &k0, &k1);
+    // Inactive rows are zero. Thread ith owns the rows from its first active row (row 0
+    // for thread 0) up to the next thread's first active row (n_ff for the last thread).
+    const int64_t r0 = ith == 0 ? 0 : (k0 < n_active ? idx[1 + k0] : n_ff);
+    const int64_t r1 = ith == nth - 1 ? n_ff : (k1 < n_active ? idx[1 + k1] : n_ff);
+    for (int64_t t = 0; t < n_tok; ++t) {
+        float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
+        int64_t r = r0;
+        for (int32_t k = k0; k < k1; ++k) {
+            const int64_t i = idx[1 + k];
+            if (i > r) {
+                memset(out + r, 0, (size_t) (i - r) * sizeof(float));
+            }
+            vec_dot((int) w->ne[0], out + i, 0, (const char *) w->data + i * w->nb[1], 0,
+                    (const char *) xq->data + t * xq->nb[1], 0, 1);
+            r = i + 1;
+        }
+        if (r1 > r) {
+            memset(out + r, 0, (size_t) (r1 - r) * sizeof(float));
+        }
+    }
+}
+
+struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * xq,
+                                      struct ggml_tensor * idx) {
+    GGML_ASSERT(xq->type == ggml_get_type_traits_cpu(w->type)->vec_dot_type);
+    GGML_ASSERT(w->ne[0] == xq->ne[0] && idx->type == GGML_TYPE_I32 && idx->ne[0] == w->ne[1] + 1);
+    struct ggml_tensor * args[3] = { w, xq, idx };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], xq->ne[1], 1, 1, args, 3, sparse_matvec_op, GGML_N_TASKS_MAX, NULL);
+}
+
+// ---- sparse AXPY (down, over the rows of ffn_down_t) ---------------------------------
+
+static _Thread_local float * g_row_buf;
+static _Thread_local size_t  g_row_cap;
+
+static float * row_buffer(size_t n) {
+    if (n > g_row_cap) {
+        float * p = realloc(g_row_buf, n * sizeof(float));
+        if (!p) {
+            return NULL;
+        }
+        g_row_buf = p;
+        g_row_cap = n;
+    }
+    return g_row_buf;
+}
+
+static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * wt  = dst->src[0];
+    const struct ggml_tensor * h   = dst->src[1];
+    const int32_t *            idx = (const int32_t *) dst->src[2]->data;
+    const int64_t n_embd = dst->ne[0], n_tok = dst->ne[1];
+    const int32_t n_active = idx[0];
+
+    // Each thread owns a slice of output columns, cut at weight-block boundaries, and
+    // sums its slice over the active neurons in index order: no shared accumulators.
+    const int64_t blck  = ggml_blck_size(wt->type);
+    const int64_t n_blk = n_embd / blck;
+    const int64_t c0 = n_blk * ith / nth * blck, c1 = n_blk * (ith + 1) / nth * blck;
+    const int64_t len = c1 - c0;
+    for (int64_t t = 0; t < n_tok; ++t) {
+        memset((char *) dst->data + t * dst->nb[1] + c0 * sizeof(float), 0, (size_t) len * sizeof(float));
+    }
+    if (len == 0) {
+        return;
+    }
+    ggml_to_float_t to_float = wt->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(wt->type)->to_float;
+    float * row = to_float ? row_buffer((size_t) len) : NULL;
+    GGML_ASSERT(!to_float || row);
+    const size_t slice_off = ggml_row_size(wt->type, c0);
+    for (int32_t k = 0; k < n_active; ++k) {
+        const int64_t i = idx[1 + k];
+        const char * src = (const char *) wt->data + i * wt->nb[1] + slice_off;
+        const float * w = NULL;
+        for (int64_t t = 0; t < n_tok; ++t) {
+            const float a = *(const float *) ((const char *) h->data + i * h->nb[0] + t * h->nb[1]);
+            if (a == 0.0f) {
+                continue;  // ReLU zeros and predicted-but-silent neurons cost nothing here
+            }
+            if (!w) {
+                if (to_float) {
+                    to_float(src, row, len);
+                    w = row;
+                } else {
+                    w = (const float *) src;
+                }
+            }
+            float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
+            for (int64_t c = 0; c < len; ++c) {
+                out[c] += a * w[c];
+            }
+        }
+    }
+}
+
+struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
+                                    struct ggml_tensor * idx) {
+    GGML_ASSERT(h->type == GGML_TYPE_F32 && h->ne[0] == wt->ne[1]);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == wt->ne[1] + 1);
+    GGML_ASSERT(wt->ne[0] % ggml_blck_size(wt->type) == 0);
+    struct ggml_tensor * args[3] = { wt, h, idx };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1], 1, 1, args, 3, sparse_axpy_op, GGML_N_TASKS_MAX, NULL);
+}

@@ -1,0 +1,26 @@
+// sparse_ops.h - neuron-aware CPU operators (ggml custom ops) for the sparse FFN.
+// Shapes follow ggml: ne[0] is the fastest dimension. n_ff neurons, T tokens.
+#pragma once
+
+#include "ggml.h"
+
+// score: F32 [n_ff, T]. Result: I32 [n_ff + 1]: element 0 is the number of active
+// neurons n, elements 1..n their ids in ascending order, where a neuron is active if
+// score > *threshold for any token (the union over the batch). *threshold is read when
+// the graph runs, so it must outlive the graph.
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, const float * threshold);
+
+// x: F32 [n, T] -> [n, T] of `type` (the weights' vec_dot type); x itself if type is F32.
+struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tensor * x, enum ggml_type type);
+
+// w: [n_embd, n_ff] any type (row i = neuron i's input weights), xq: [n_embd, T] of
+// w's vec_dot type, idx: from pi_active_index. Result: F32 [n_ff, T], row i = w_i . x_t
+// for active i, 0 for the others.
+struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * xq,
+                                      struct ggml_tensor * idx);
+
+// wt: [n_embd, n_ff] any type (ffn_down_t: row i = neuron i's output weights),
+// h: F32 [n_ff, T], idx as above. Result: F32 [n_embd, T] = sum over active i of
+// h[i, t] * wt_i (rows with h[i, t] == 0 are skipped).
+struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
+                                    struct ggml_tensor * idx);

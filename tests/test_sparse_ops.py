@@ -1,0 +1,120 @@
+"""The sparse FFN operators (src/powerinfer_c/sparse_ops.c) against a numpy reference,
+for every weight type the sparse path promises, through the build/bin/test-sparse-ops
+driver (the operators are internal to the core).
+
+Tolerances are derived, not tuned: the reference uses the weights exactly as the
+operator sees them (quantized, then dequantized by ggml), so the row-sparse matvec's
+only approximation is the conversion of the input to the weights' vec_dot type:
+  Q8_0 (for Q4_0/Q4_1/Q5_0/Q8_0): blocks of 32, scale d = amax/127 stored as f16:
+      |error| <= d/2 + 127*|d - f16(d)| <= d * (0.5 + 127 * 2**-11)
+  Q8_K (for K-quants): blocks of 256, d = amax/127 in f32: |error| <= d/2
+  F16: relative 2**-11; BF16: relative 2**-8; F32: exact.
+Summed with the weights: |out - ref| <= sum_j |w_j| * err_j, plus float32 accumulation
+(n * eps * sum |w_j x_j|). The AXPY has no input conversion: only accumulation error.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "build" / "bin" / "test-sparse-ops"
+
+TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_K", "q6_K"]
+K_QUANTS = {"q4_K", "q6_K"}
+EPS32 = np.finfo(np.float32).eps
+
+pytestmark = pytest.mark.skipif(not DRIVER.exists(), reason="build/bin/test-sparse-ops not built (cmake --build build)")
+
+
+def _input_error_bound(x: np.ndarray, wtype: str) -> np.ndarray:
+    """Per-element bound on |convert(x) - x| for the vec_dot type of `wtype`."""
+    if wtype == "f32":
+        return np.zeros_like(x)
+    if wtype == "f16":
+        return np.abs(x) * 2.0**-11
+    if wtype == "bf16":
+        return np.abs(x) * 2.0**-8
+    block, slack = (256, 0.5) if wtype in K_QUANTS else (32, 0.5 + 127 * 2.0**-11)
+    amax = np.abs(x.reshape(x.shape[0], -1, block)).max(axis=-1, keepdims=True)
+    d = amax / 127.0
+    return np.broadcast_to(d * slack, x.reshape(x.shape[0], -1, block).shape).reshape(x.shape)
+
+
+def _run(tmp_path, wtype, threads, w, x, h, active):
+    n_ff, n_embd = w.shape
+    n_tok = x.shape[0]
+    src = tmp_path / f"in-{wtype}-{threads}.bin"
+    dst = tmp_path / f"out-{wtype}-{threads}.bin"
+    with open(src, "wb") as f:
+        f.write(struct.pack("<3q", n_embd, n_ff, n_tok))
+        f.write(w.astype("<f4").tobytes())
+        f.write(x.astype("<f4").tobytes())
+        f.write(h.astype("<f4").tobytes())
+        f.write(struct.pack("<i", len(active)))
+        f.write(np.asarray(active, dtype="<i4").tobytes())
+    subprocess.run([str(DRIVER), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
+    out = np.fromfile(dst, dtype="<f4")
+    wd = out[: n_ff * n_embd].reshape(n_ff, n_embd)
+    up = out[n_ff * n_embd : n_ff * n_embd + n_tok * n_ff].reshape(n_tok, n_ff)
+    down = out[n_ff * n_embd + n_tok * n_ff :].reshape(n_tok, n_embd)
+    return wd, up, down
+
+
+def _problem(seed, n_embd=512, n_ff=384, n_tok=3, frac_active=0.15):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_ff, n_embd)).astype(np.float32) * 0.05
+    x = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    active = np.sort(rng.choice(n_ff, size=int(n_ff * frac_active), replace=False)).astype(np.int32)
+    h = np.zeros((n_tok, n_ff), dtype=np.float32)
+    h[:, active] = np.maximum(rng.standard_normal((n_tok, len(active))), 0).astype(np.float32)  # ReLU-like zeros too
+    return w, x, h, active
+
+
+@pytest.mark.parametrize("wtype", TYPES)
+def test_sparse_ops_match_numpy(tmp_path, wtype):
+    w, x, h, active = _problem(seed=TYPES.index(wtype))
+    wd, up, down = _run(tmp_path, wtype, 2, w, x, h, active)
+    wd64, x64, h64 = wd.astype(np.float64), x.astype(np.float64), h.astype(np.float64)
+
+    inactive = np.setdiff1d(np.arange(w.shape[0]), active)
+    assert np.all(up[:, inactive] == 0.0), "inactive rows must be exactly zero"
+
+    ref_up = x64 @ wd64[active].T  # [n_tok, n_active]
+    err_x = _input_error_bound(x64, wtype)  # [n_tok, n_embd]
+    bound = err_x @ np.abs(wd64[active]).T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(wd64[active]).T) + 1e-6
+    diff = np.abs(up[:, active] - ref_up)
+    assert np.all(diff <= bound), f"{wtype}: max excess {np.max(diff - bound):.3g}"
+    # The worst-case bound grows like n, real errors like sqrt(n): also check that the
+    # typical error is the size 8-bit input rounding gives (~1/(127*sqrt(3)) relative).
+    rel_rms = np.sqrt(np.mean(diff**2) / np.mean(ref_up**2))
+    assert rel_rms < {"f32": 1e-6, "f16": 1e-3, "bf16": 1e-2}.get(wtype, 2e-2), rel_rms
+
+    ref_down = h64[:, active] @ wd64[active]  # [n_tok, n_embd]
+    bound_down = len(active) * EPS32 * (np.abs(h64[:, active]) @ np.abs(wd64[active])) + 1e-7
+    assert np.all(np.abs(down - ref_down) <= bound_down)
+
+
+@pytest.mark.parametrize("wtype", ["q4_0", "f16"])
+def test_thread_counts_agree_bitwise(tmp_path, wtype):
+    w, x, h, active = _problem(seed=7)
+    results = [_run(tmp_path, wtype, t, w, x, h, active) for t in (1, 2, 3)]
+    for _, up, down in results[1:]:
+        assert np.array_equal(up, results[0][1])
+        assert np.array_equal(down, results[0][2])
+
+
+def test_empty_and_full_active_sets(tmp_path):
+    w, x, h, _ = _problem(seed=3, n_tok=1)
+    _, up, down = _run(tmp_path, "q8_0", 3, w, x, h, np.array([], dtype=np.int32))
+    assert np.all(up == 0) and np.all(down == 0)
+    everything = np.arange(w.shape[0], dtype=np.int32)
+    h_all = np.abs(h) + 0.5
+    wd, up, down = _run(tmp_path, "f32", 3, w, x, h_all, everything)
+    np.testing.assert_allclose(up[0], wd @ x[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(down[0], h_all[0] @ wd, rtol=1e-4, atol=1e-5)
