@@ -1,6 +1,9 @@
 // graph.c - builds the dense forward graph of a llama-family decoder (llama, qwen2)
 // for one batch of tokens, in the same op order as llama.cpp so results agree.
 #include "powerinfer-impl.h"
+#include "sparse_ops.h"
+
+#include "ggml-cpu.h"
 
 #include <math.h>
 
@@ -10,26 +13,79 @@ static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_te
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
-// x: [n_embd, n_tokens] -> [n_embd, n_tokens]
-static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct pi_layer * l,
-                                      enum pi_ffn_act act, struct ggml_tensor * x) {
-    struct ggml_tensor * up  = ggml_mul_mat(ctx, l->ffn_up, x);
-    struct ggml_tensor * cur = NULL;
-    if (l->ffn_gate) {
-        struct ggml_tensor * gate = ggml_mul_mat(ctx, l->ffn_gate, x);
-        switch (act) {
-            case PI_ACT_SILU: cur = ggml_swiglu_split(ctx, gate, up); break;
-            case PI_ACT_RELU: cur = ggml_reglu_split(ctx, gate, up);  break;
-            case PI_ACT_GELU: cur = ggml_geglu_split(ctx, gate, up);  break;
-        }
-    } else {
-        switch (act) {
-            case PI_ACT_SILU: cur = ggml_silu(ctx, up); break;
-            case PI_ACT_RELU: cur = ggml_relu(ctx, up); break;
-            case PI_ACT_GELU: cur = ggml_gelu(ctx, up); break;
-        }
+static struct ggml_tensor * build_act(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * x) {
+    switch (act) {
+        case PI_ACT_RELU: return ggml_relu(ctx, x);
+        case PI_ACT_GELU: return ggml_gelu(ctx, x);
+        default:          return ggml_silu(ctx, x);
     }
-    return ggml_mul_mat(ctx, l->ffn_down, cur);
+}
+
+// act(gate) * up, or act(up) for non-gated FFNs; rows that are 0 in both stay 0.
+static struct ggml_tensor * build_glu(struct ggml_context * ctx, enum pi_ffn_act act,
+                                      struct ggml_tensor * gate, struct ggml_tensor * up) {
+    if (!gate) {
+        return build_act(ctx, act, up);
+    }
+    switch (act) {
+        case PI_ACT_RELU: return ggml_reglu_split(ctx, gate, up);
+        case PI_ACT_GELU: return ggml_geglu_split(ctx, gate, up);
+        default:          return ggml_swiglu_split(ctx, gate, up);
+    }
+}
+
+// Down projection of h [n_ff, n_tokens]: through ffn_down when the file has it, else
+// as an AXPY over the rows of ffn_down_t with a nonzero activation.
+static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct pi_layer * l, struct ggml_tensor * h,
+                                       struct ggml_tensor * idx) {
+    if (!idx && l->ffn_down) {
+        return ggml_mul_mat(ctx, l->ffn_down, h);
+    }
+    if (!idx) {
+        static const float zero = 0.0f;
+        idx = pi_active_index(ctx, ggml_abs(ctx, h), &zero);
+    }
+    return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+}
+
+// Largest batch that takes the sparse path; above it the union of active neurons is
+// most of the layer and ggml's dense matmul wins.
+#define PI_SPARSE_MAX_BATCH 4
+
+// x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
+// (the predictor's input). Returns [n_embd, n_tokens].
+static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
+                                      struct ggml_tensor * x, struct ggml_tensor * x_res) {
+    const struct pi_layer * l = &model->layers[il];
+    const enum pi_ffn_act act = model->hp.ffn_act;
+    const int32_t mode = model->hp.sparse_mode;
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= PI_SPARSE_MAX_BATCH;
+
+    if (sparse && mode == POWERINFER_SPARSE_GATE) {
+        // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
+        struct ggml_tensor * a   = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
+        struct ggml_tensor * idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), &l->sparse_tau);
+        struct ggml_tensor * xq  = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
+        struct ggml_tensor * h   = ggml_mul(ctx, a, pi_sparse_matvec(ctx, l->ffn_up, xq, idx));
+        return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+    }
+    if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
+        // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i > tau.
+        struct ggml_tensor * logit = ggml_mul_mat(ctx, l->fc2, ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)));
+        struct ggml_tensor * idx   = pi_active_index(ctx, logit, &l->sparse_tau);
+        struct ggml_tensor * xq    = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
+        struct ggml_tensor * up    = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
+        struct ggml_tensor * gate  = NULL;
+        if (l->ffn_gate) {
+            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
+                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
+            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
+        }
+        return pi_sparse_axpy(ctx, l->ffn_down_t, build_glu(ctx, act, gate, up), idx);
+    }
+    struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
+    struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
+    return build_down(ctx, l, build_glu(ctx, act, gate, up), NULL);
 }
 
 // Writes this batch's K and V into the cache and attends over cells [0, n_kv).
@@ -140,7 +196,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
 
         cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
-        cur = build_ffn(ctx, l, hp->ffn_act, cur);
+        cur = build_ffn(ctx, model, il, cur, ffn_inp);
         inpL = ggml_add(ctx, cur, ffn_inp);
     }
 

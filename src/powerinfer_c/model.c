@@ -184,7 +184,8 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
     hp->rope_type = model->arch == PI_ARCH_QWEN2 ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
 
     // FFN activation: our key if present, else the architecture's usual one.
-    hp->ffn_act = PI_ACT_SILU;
+    // PowerInfer's rule: a PWRI file of architecture llama is a ReLU model.
+    hp->ffn_act = model->is_powerinfer && model->arch == PI_ARCH_LLAMA ? PI_ACT_RELU : PI_ACT_SILU;
     const char * act = get_str(model, PI_KEY_FFN_ACTIVATION);
     if (act) {
         if      (strcmp(act, "silu") == 0) hp->ffn_act = PI_ACT_SILU;
@@ -227,6 +228,29 @@ static int32_t bind(const struct powerinfer_model * model, struct ggml_tensor **
     return POWERINFER_OK;
 }
 
+// Predictor fc2 . relu(fc1 . x): the rank r may differ per layer, so it is read from fc1.
+static int32_t bind_predictor(struct powerinfer_model * model, int32_t il) {
+    struct pi_layer * l = &model->layers[il];
+    char name[GGML_MAX_NAME];
+    snprintf(name, sizeof(name), "blk.%d.fc1.weight", il);
+    struct ggml_tensor * fc1 = ggml_get_tensor(model->ctx_meta, name);
+    snprintf(name, sizeof(name), "blk.%d.fc2.weight", il);
+    struct ggml_tensor * fc2 = ggml_get_tensor(model->ctx_meta, name);
+    if (!fc1 && !fc2) {
+        return POWERINFER_OK;
+    }
+    if (!fc1 || !fc2) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "layer %d has only one of blk.%d.fc1.weight and blk.%d.fc2.weight", il, il, il);
+    }
+    const int64_t r = fc1->ne[1];
+    int32_t rc;
+    if ((rc = bind(model, &l->fc1, true, model->hp.n_embd, r, "blk.%d.fc1.weight", il)) ||
+        (rc = bind(model, &l->fc2, true, r, model->hp.n_ff, "blk.%d.fc2.weight", il))) {
+        return rc;
+    }
+    return POWERINFER_OK;
+}
+
 int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
     struct pi_hparams * hp = &model->hp;
     struct ggml_tensor * tok = ggml_get_tensor(model->ctx_meta, "token_embd.weight");
@@ -264,7 +288,19 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
             (rc = bind(model, &l->ffn_norm,  true,  n_embd, 0,      "blk.%d.ffn_norm.weight", il)) ||
             (rc = bind(model, &l->ffn_gate,  false, n_embd, n_ff,   "blk.%d.ffn_gate.weight", il)) ||
             (rc = bind(model, &l->ffn_up,    true,  n_embd, n_ff,   "blk.%d.ffn_up.weight", il)) ||
-            (rc = bind(model, &l->ffn_down,  true,  n_ff,   n_embd, "blk.%d.ffn_down.weight", il))) {
+            (rc = bind(model, &l->ffn_down,  false, n_ff,   n_embd, "blk.%d.ffn_down.weight", il)) ||
+            (rc = bind(model, &l->ffn_down_t, false, n_embd, n_ff,  "blk.%d.ffn_down_t.weight", il))) {
+            return rc;
+        }
+        if (!l->ffn_down && !l->ffn_down_t) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "layer %d has neither blk.%d.ffn_down.weight nor blk.%d.ffn_down_t.weight",
+                           il, il, il);
+        }
+        if (l->ffn_down_t && l->ffn_down_t->ne[0] % ggml_blck_size(l->ffn_down_t->type) != 0) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "blk.%d.ffn_down_t.weight rows are not whole %s blocks",
+                           il, ggml_type_name(l->ffn_down_t->type));
+        }
+        if ((rc = bind_predictor(model, il)) != POWERINFER_OK) {
             return rc;
         }
         if (model->arch == PI_ARCH_QWEN2 && !(l->bq && l->bk && l->bv)) {
@@ -274,9 +310,119 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
     return POWERINFER_OK;
 }
 
+// ---- sparse mode and thresholds ------------------------------------------------------
+
+// Our keys (docs/formats.md): per-layer gate-mode thresholds, written by the calibration tool.
+#define PI_KEY_GATE_THRESHOLDS "powerinfer.gate_thresholds"
+// PowerInfer's key: the predictor threshold, overridden by the environment variable.
+#define PI_KEY_SPARSE_THRESHOLD "powerinfer.sparse_threshold"
+#define PI_ENV_SPARSE_THRESHOLD "LLAMA_SPARSE_PRED_THRESHOLD"
+
+const char * powerinfer_sparse_mode_name(int32_t mode) {
+    switch (mode) {
+        case POWERINFER_SPARSE_AUTO:      return "auto";
+        case POWERINFER_SPARSE_DENSE:     return "dense";
+        case POWERINFER_SPARSE_GATE:      return "gate";
+        case POWERINFER_SPARSE_PREDICTOR: return "predictor";
+        default:                          return "unknown";
+    }
+}
+
+static int32_t resolve_thresholds(struct powerinfer_model * model) {
+    const struct pi_hparams * hp = &model->hp;
+    float tau = 0.0f;
+    int32_t rc;
+    if (hp->sparse_mode == POWERINFER_SPARSE_PREDICTOR) {
+        if ((rc = get_float(model, PI_KEY_SPARSE_THRESHOLD, &tau)) < 0) {
+            return rc;
+        }
+        if (!isnan(model->params.sparse_threshold)) {
+            tau = model->params.sparse_threshold;
+        }
+        const char * env = getenv(PI_ENV_SPARSE_THRESHOLD);
+        if (env && *env) {
+            char * end;
+            float v = strtof(env, &end);
+            if (*end || !isfinite(v)) {
+                return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s='%s' is not a number", PI_ENV_SPARSE_THRESHOLD, env);
+            }
+            tau = v;
+        }
+        for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = tau;
+        return POWERINFER_OK;
+    }
+    const int64_t id = find_key(model, PI_KEY_GATE_THRESHOLDS);
+    for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = 0.0f;
+    if (id >= 0) {
+        if (gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(model->gguf, id) != GGUF_TYPE_FLOAT32 ||
+            gguf_get_arr_n(model->gguf, id) != (size_t) hp->n_layer) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "%s must be an array of %d float32", PI_KEY_GATE_THRESHOLDS, hp->n_layer);
+        }
+        const float * v = gguf_get_arr_data(model->gguf, id);
+        for (int32_t il = 0; il < hp->n_layer; ++il) {
+            if (!isfinite(v[il]) || v[il] < 0.0f) {
+                return pi_fail(POWERINFER_ERR_FORMAT, "%s[%d] = %g is not a threshold >= 0", PI_KEY_GATE_THRESHOLDS, il, v[il]);
+            }
+            model->layers[il].sparse_tau = v[il];
+        }
+    }
+    if (!isnan(model->params.sparse_threshold)) {
+        for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = model->params.sparse_threshold;
+    }
+    return POWERINFER_OK;
+}
+
+// Picks the sparse mode (AUTO: predictor, else gate, else dense) and checks that the
+// file has what the mode needs.
+static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
+    struct pi_hparams * hp = &model->hp;
+    bool down_t = true, pred = true, gate = true;
+    for (int32_t il = 0; il < hp->n_layer; ++il) {
+        down_t &= model->layers[il].ffn_down_t != NULL;
+        pred   &= model->layers[il].fc1 != NULL;
+        gate   &= model->layers[il].ffn_gate != NULL;
+    }
+    const int32_t want = model->params.sparse_mode;
+    const bool gate_ok = down_t && gate && (hp->ffn_act == PI_ACT_RELU || find_key(model, PI_KEY_GATE_THRESHOLDS) >= 0 ||
+                                            want == POWERINFER_SPARSE_GATE);
+    switch (want) {
+        case POWERINFER_SPARSE_AUTO:
+            hp->sparse_mode = pred && down_t ? POWERINFER_SPARSE_PREDICTOR
+                            : gate_ok        ? POWERINFER_SPARSE_GATE
+                                             : POWERINFER_SPARSE_DENSE;
+            break;
+        case POWERINFER_SPARSE_DENSE:
+            hp->sparse_mode = want;
+            break;
+        case POWERINFER_SPARSE_GATE:
+            if (!gate_ok) {
+                return pi_fail(POWERINFER_ERR_UNSUPPORTED, "gate mode needs %s in every layer; this file lacks %s",
+                               "ffn_gate and ffn_down_t", !gate ? "ffn_gate (non-gated FFN)" : "ffn_down_t (convert it first)");
+            }
+            hp->sparse_mode = want;
+            break;
+        case POWERINFER_SPARSE_PREDICTOR:
+            if (!pred || !down_t) {
+                return pi_fail(POWERINFER_ERR_UNSUPPORTED, "predictor mode needs blk.N.fc1/fc2 and ffn_down_t in every layer; "
+                               "this file lacks %s", !pred ? "predictors" : "ffn_down_t");
+            }
+            hp->sparse_mode = want;
+            break;
+        default:
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "unknown sparse mode %d", want);
+    }
+    return resolve_thresholds(model);
+}
+
+int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model) { return model->hp.sparse_mode; }
+
+float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il) {
+    return il >= 0 && il < model->hp.n_layer ? model->layers[il].sparse_tau : NAN;
+}
+
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.
 static int32_t repack_dense_weights(struct powerinfer_model * model) {
-    const int32_t per_layer = 7;
+    const int32_t per_layer = 9;
     struct ggml_tensor *** w = malloc(sizeof(*w) * ((size_t) per_layer * model->hp.n_layer + 1));
     if (!w) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
@@ -288,9 +434,12 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
         w[n++] = &l->wk;
         w[n++] = &l->wv;
         w[n++] = &l->wo;
-        if (l->ffn_gate) w[n++] = &l->ffn_gate;
-        w[n++] = &l->ffn_up;
-        w[n++] = &l->ffn_down;
+        if (l->fc1) { w[n++] = &l->fc1; w[n++] = &l->fc2; }
+        // Rows the sparse operators read one by one stay in the plain mapping.
+        const int32_t mode = model->hp.sparse_mode;
+        if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) w[n++] = &l->ffn_gate;
+        if (mode == POWERINFER_SPARSE_DENSE) w[n++] = &l->ffn_up;
+        if (l->ffn_down) w[n++] = &l->ffn_down;
     }
     if (model->output != model->tok_embd) {
         w[n++] = &model->output;
@@ -310,6 +459,8 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .use_mmap        = true,
         .use_repack      = true,
         .vocab_only      = false,
+        .sparse_mode     = POWERINFER_SPARSE_AUTO,
+        .sparse_threshold = NAN,
     };
     return p;
 }
@@ -334,7 +485,8 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         const char * arch = get_str(model, "general.architecture");
         snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch ? arch : "");
     } else {
-        ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK;
+        ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK &&
+             resolve_sparse_mode(model) == POWERINFER_OK;
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
     }
     ok = ok && pi_vocab_load(model) == POWERINFER_OK;
@@ -344,9 +496,10 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         return NULL;
     }
     model->t_load_ms = pi_time_ms() - t0;
-    pi_log(POWERINFER_LOG_INFO, "powerinfer: loaded %s (%s, %d layers, n_embd %d, n_ff %d, %.1f MiB, %s FFN) in %.1f ms\n",
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: loaded %s (%s, %d layers, n_embd %d, n_ff %d, %.1f MiB, %s FFN, %s mode) in %.1f ms\n",
            path, model->arch_name, model->hp.n_layer, model->hp.n_embd, model->hp.n_ff,
-           model->n_bytes / 1048576.0, act_name(model->hp.ffn_act), model->t_load_ms);
+           model->n_bytes / 1048576.0, act_name(model->hp.ffn_act),
+           powerinfer_sparse_mode_name(model->hp.sparse_mode), model->t_load_ms);
     return model;
 }
 

@@ -1,6 +1,8 @@
-// model_loader.c - opens a model file, validates it, parses GGUF metadata and maps
-// the tensor data read-only so weights are never copied into the heap.
+// model_loader.c - opens a model file (standard GGUF or PowerInfer's PWRI variant),
+// validates it, parses its metadata and maps the tensor data read-only so weights are
+// never copied into the heap.
 #include "powerinfer-impl.h"
+#include "gguf_reader.h"
 
 #include "ggml-cpu.h"
 
@@ -51,6 +53,67 @@ static int32_t map_file(const char * path, uint64_t size, struct pi_mapping * ma
     return POWERINFER_OK;
 }
 
+// Tensor descriptors (in model->ctx_meta) and where their data starts in the file.
+struct placed_tensor {
+    struct ggml_tensor * t;
+    uint64_t             offset;  // absolute file offset
+};
+
+// Standard GGUF: gguf.h parses the header.
+static int32_t read_standard(struct powerinfer_model * model, const char * path, struct placed_tensor ** out, int64_t * n_out) {
+    struct gguf_init_params gp = { .no_alloc = true, .ctx = &model->ctx_meta };
+    model->gguf = gguf_init_from_file(path, gp);
+    if (!model->gguf) {
+        return pi_fail(POWERINFER_ERR_FORMAT,
+                       "'%s' is not a valid GGUF file: its header is truncated or corrupt", path);
+    }
+    const int64_t n = gguf_get_n_tensors(model->gguf);
+    struct placed_tensor * pt = calloc(n ? n : 1, sizeof(*pt));
+    if (!pt) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    const uint64_t data_offset = gguf_get_data_offset(model->gguf);
+    for (int64_t i = 0; i < n; ++i) {
+        pt[i].t      = ggml_get_tensor(model->ctx_meta, gguf_get_tensor_name(model->gguf, i));
+        pt[i].offset = data_offset + gguf_get_tensor_offset(model->gguf, i);
+    }
+    *out   = pt;
+    *n_out = n;
+    return POWERINFER_OK;
+}
+
+// PowerInfer GGUF (PWRI magic): our own reader, over the mapping.
+static int32_t read_powerinfer(struct powerinfer_model * model, const char * path, struct placed_tensor ** out, int64_t * n_out) {
+    struct pi_gguf_file f;
+    int32_t rc = pi_gguf_read(path, model->map.addr, model->map.size, &f);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    model->gguf = f.gguf;
+    f.gguf = NULL;
+    struct ggml_init_params ip = {
+        .mem_size   = (size_t) (f.n_tensors + 1) * ggml_tensor_overhead(),
+        .mem_buffer = NULL,
+        .no_alloc   = true,
+    };
+    model->ctx_meta = ggml_init(ip);
+    struct placed_tensor * pt = calloc(f.n_tensors ? f.n_tensors : 1, sizeof(*pt));
+    if (!model->ctx_meta || !pt) {
+        free(pt);
+        pi_gguf_file_free(&f);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    for (int64_t i = 0; i < f.n_tensors; ++i) {
+        pt[i].t = ggml_new_tensor(model->ctx_meta, f.tensors[i].type, GGML_MAX_DIMS, f.tensors[i].ne);
+        ggml_set_name(pt[i].t, f.tensors[i].name);
+        pt[i].offset = f.data_offset + f.tensors[i].offset;
+    }
+    *out   = pt;
+    *n_out = f.n_tensors;
+    pi_gguf_file_free(&f);
+    return POWERINFER_OK;
+}
+
 int32_t pi_model_load_file(struct powerinfer_model * model, const char * path) {
     char     magic[4];
     uint64_t file_size = 0;
@@ -58,59 +121,53 @@ int32_t pi_model_load_file(struct powerinfer_model * model, const char * path) {
     if (rc != POWERINFER_OK) {
         return rc;
     }
-    if (memcmp(magic, "PWRI", 4) == 0) {
-        return pi_fail(POWERINFER_ERR_UNSUPPORTED,
-                       "'%s' is a PowerInfer-format (PWRI) file; this build reads standard GGUF files only", path);
-    }
-    if (memcmp(magic, "GGUF", 4) != 0) {
+    model->is_powerinfer = memcmp(magic, "PWRI", 4) == 0;
+    if (!model->is_powerinfer && memcmp(magic, "GGUF", 4) != 0) {
         return pi_fail(POWERINFER_ERR_FORMAT, "'%s' is not a GGUF model file (bad magic)", path);
     }
-
-    struct gguf_init_params gp = { .no_alloc = true, .ctx = &model->ctx_meta };
-    model->gguf = gguf_init_from_file(path, gp);
-    if (!model->gguf) {
-        return pi_fail(POWERINFER_ERR_FORMAT,
-                       "'%s' is not a valid GGUF file: its header is truncated or corrupt", path);
+    if ((rc = map_file(path, file_size, &model->map)) != POWERINFER_OK) {
+        return rc;
+    }
+    struct placed_tensor * pt = NULL;
+    int64_t n_tensors = 0;
+    rc = model->is_powerinfer ? read_powerinfer(model, path, &pt, &n_tensors)
+                              : read_standard(model, path, &pt, &n_tensors);
+    if (rc != POWERINFER_OK) {
+        free(pt);
+        return rc;
     }
 
-    // gguf.h checked the header; with no_alloc it did not look at the tensor data,
-    // so check here that every tensor lies inside the file.
-    const uint64_t data_offset = gguf_get_data_offset(model->gguf);
-    const int64_t  n_tensors   = gguf_get_n_tensors(model->gguf);
+    // The header parsers did not look at the tensor data: check that every tensor lies
+    // inside the file before anything reads it.
     uint64_t n_bytes = 0, n_params = 0;
     for (int64_t i = 0; i < n_tensors; ++i) {
-        const char *         name = gguf_get_tensor_name(model->gguf, i);
-        struct ggml_tensor * t    = ggml_get_tensor(model->ctx_meta, name);
-        const uint64_t       off  = gguf_get_tensor_offset(model->gguf, i);
-        const uint64_t       nb   = ggml_nbytes(t);
-        if (data_offset > file_size || off > file_size - data_offset || nb > file_size - data_offset - off) {
-            return pi_fail(POWERINFER_ERR_FORMAT,
-                           "'%s' is truncated: tensor '%s' needs bytes up to %llu but the file has %llu",
-                           path, name, (unsigned long long) (data_offset + off + nb), (unsigned long long) file_size);
+        const uint64_t off = pt[i].offset, nb = ggml_nbytes(pt[i].t);
+        if (off > file_size || nb > file_size - off) {
+            rc = pi_fail(POWERINFER_ERR_FORMAT,
+                         "'%s' is truncated: tensor '%s' needs bytes up to %llu but the file has %llu",
+                         path, ggml_get_name(pt[i].t), (unsigned long long) off + nb, (unsigned long long) file_size);
+            free(pt);
+            return rc;
         }
         n_bytes += nb;
-        n_params += (uint64_t) ggml_nelements(t);
+        n_params += (uint64_t) ggml_nelements(pt[i].t);
     }
     model->n_bytes  = n_bytes;
     model->n_params = n_params;
 
-    rc = map_file(path, file_size, &model->map);
-    if (rc != POWERINFER_OK) {
-        return rc;
-    }
     model->buf_weights = ggml_backend_cpu_buffer_from_ptr(model->map.addr, model->map.size);
     if (!model->buf_weights) {
+        free(pt);
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create a weight buffer over the mapping");
     }
     ggml_backend_buffer_set_usage(model->buf_weights, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    for (int64_t i = 0; i < n_tensors; ++i) {
-        struct ggml_tensor * t = ggml_get_tensor(model->ctx_meta, gguf_get_tensor_name(model->gguf, i));
-        char * addr = (char *) model->map.addr + data_offset + gguf_get_tensor_offset(model->gguf, i);
-        if (ggml_backend_tensor_alloc(model->buf_weights, t, addr) != GGML_STATUS_SUCCESS) {
-            return pi_fail(POWERINFER_ERR_INTERNAL, "cannot place tensor '%s' in the mapping", ggml_get_name(t));
+    for (int64_t i = 0; i < n_tensors && rc == POWERINFER_OK; ++i) {
+        if (ggml_backend_tensor_alloc(model->buf_weights, pt[i].t, (char *) model->map.addr + pt[i].offset) != GGML_STATUS_SUCCESS) {
+            rc = pi_fail(POWERINFER_ERR_INTERNAL, "cannot place tensor '%s' in the mapping", ggml_get_name(pt[i].t));
         }
     }
-    return POWERINFER_OK;
+    free(pt);
+    return rc;
 }
 
 void pi_model_unload_file(struct powerinfer_model * model) {

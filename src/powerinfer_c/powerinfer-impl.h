@@ -54,6 +54,7 @@ struct pi_hparams {
     float   rope_freq_scale;
     float   norm_rms_eps;
     enum pi_ffn_act ffn_act;
+    int32_t sparse_mode;   // enum powerinfer_sparse_mode, resolved (never AUTO)
 };
 
 struct pi_layer {
@@ -63,7 +64,10 @@ struct pi_layer {
     struct ggml_tensor * ffn_norm;
     struct ggml_tensor * ffn_gate;         // optional: absent for non-gated FFNs
     struct ggml_tensor * ffn_up;
-    struct ggml_tensor * ffn_down;
+    struct ggml_tensor * ffn_down;         // optional when ffn_down_t is present
+    struct ggml_tensor * ffn_down_t;       // [n_embd, n_ff]: row i = neuron i's output weights
+    struct ggml_tensor * fc1, * fc2;       // predictor: [n_embd, r], [r, n_ff]
+    float                sparse_tau;       // activation threshold (gate or predictor mode)
 };
 
 // A read-only mapping of the whole model file.
@@ -79,6 +83,7 @@ struct powerinfer_model {
     struct pi_hparams    hp;
     struct powerinfer_model_params params;
 
+    bool                  is_powerinfer; // PWRI magic
     struct gguf_context * gguf;     // metadata (no tensor data)
     struct ggml_context * ctx_meta; // tensor descriptors, data points into the mapping
     struct pi_mapping     map;

@@ -5,6 +5,9 @@
 #include "llama.h"
 
 #include <pthread.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static pthread_once_t g_backend_once = PTHREAD_ONCE_INIT;
 
@@ -12,11 +15,30 @@ static void backend_init_once(void) {
     llama_backend_init();
 }
 
+// libllama refuses the PWRI magic: hand it the key/value pairs (which hold the whole
+// tokenizer) as a tensor-less standard GGUF in an anonymous in-memory file.
+static struct llama_model * load_vocab_of_powerinfer_file(const struct powerinfer_model * model,
+                                                          struct llama_model_params mp) {
+    int fd = memfd_create("powerinfer-vocab", MFD_CLOEXEC);
+    if (fd < 0) {
+        return NULL;
+    }
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    struct llama_model * m = NULL;
+    if (gguf_write_to_file(model->gguf, path, true)) {
+        m = llama_model_load_from_file(path, mp);
+    }
+    close(fd);
+    return m;
+}
+
 int32_t pi_vocab_load(struct powerinfer_model * model) {
     pthread_once(&g_backend_once, backend_init_once);
     struct llama_model_params mp = llama_model_default_params();
     mp.vocab_only = true;
-    model->llm_vocab_model = llama_model_load_from_file(model->path, mp);
+    model->llm_vocab_model = model->is_powerinfer ? load_vocab_of_powerinfer_file(model, mp)
+                                                  : llama_model_load_from_file(model->path, mp);
     if (!model->llm_vocab_model) {
         return pi_fail(POWERINFER_ERR_FORMAT, "libllama could not load the vocabulary of '%s'", model->path);
     }

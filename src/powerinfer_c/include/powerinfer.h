@@ -52,6 +52,13 @@ enum powerinfer_log_level {
     POWERINFER_LOG_DEBUG = 4,
 };
 
+enum powerinfer_sparse_mode {
+    POWERINFER_SPARSE_AUTO      = 0, // the best valid mode for the file: predictor, else gate, else dense
+    POWERINFER_SPARSE_DENSE     = 1, // every FFN neuron, llama.cpp's graph
+    POWERINFER_SPARSE_GATE      = 2, // dense gate; up and down only where |act(gate)| > threshold
+    POWERINFER_SPARSE_PREDICTOR = 3, // gate, up and down only where the predictor's logit > threshold
+};
+
 struct powerinfer_model_params {
     int32_t n_threads;      // threads used while loading and as the contexts' default; <= 0: all cores
     float   vram_budget_gib;// device memory budget in GiB; < 0: automatic (used by hybrid placement)
@@ -59,6 +66,8 @@ struct powerinfer_model_params {
     bool    use_mmap;       // map the weights instead of reading them (default true)
     bool    use_repack;     // dense matmul weights in the CPU backend's repacked layouts, as llama.cpp (default true)
     bool    vocab_only;     // load only metadata and the vocabulary (any architecture); no context can be made
+    int32_t sparse_mode;    // enum powerinfer_sparse_mode
+    float   sparse_threshold; // NaN: from the file (see docs/formats.md); else overrides every layer's threshold
 };
 
 struct powerinfer_context_params {
@@ -123,6 +132,11 @@ POWERINFER_API int32_t powerinfer_model_n_head(const struct powerinfer_model * m
 POWERINFER_API int32_t powerinfer_model_n_ff(const struct powerinfer_model * model);
 POWERINFER_API uint64_t powerinfer_model_size(const struct powerinfer_model * model);   // bytes of weights
 POWERINFER_API uint64_t powerinfer_model_n_params(const struct powerinfer_model * model);
+// The sparse mode the model runs in (AUTO resolved), and its name.
+POWERINFER_API int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model);
+POWERINFER_API const char * powerinfer_sparse_mode_name(int32_t mode);
+// The activation threshold of layer il in gate or predictor mode.
+POWERINFER_API float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il);
 // Name of the FFN activation in use ("silu", "relu", "gelu").
 POWERINFER_API const char * powerinfer_model_ffn_activation(const struct powerinfer_model * model);
 

@@ -26,6 +26,8 @@ struct cli_args {
     bool         verbose;
     float        vram_budget;
     int32_t      n_gpu_layers;
+    int32_t      sparse_mode;
+    float        sparse_threshold;
 };
 
 static void usage(FILE * out, const char * argv0) {
@@ -55,6 +57,8 @@ static void usage(FILE * out, const char * argv0) {
         "  -fa, --flash-attn         use flash attention\n"
         "  --vram-budget N           device memory budget in GiB for hot neurons (hybrid placement)\n"
         "  -ngl, --n-gpu-layers N    accepted for llama.cpp compatibility; placement follows --vram-budget\n"
+        "  --sparse-mode MODE        auto, dense, gate or predictor (default: auto, the best the file allows)\n"
+        "  --sparse-threshold N      activation threshold for gate/predictor mode (default: from the file)\n"
         "  -v, --verbose             print loading details\n",
         argv0);
 }
@@ -106,7 +110,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             IS("-n") || IS("--n-predict") || IS("-t") || IS("--threads") || IS("-tb") || IS("--threads-batch") ||
             IS("-c") || IS("--ctx-size") || IS("-b") || IS("--batch-size") || IS("-s") || IS("--seed") ||
             IS("--temp") || IS("--top-k") || IS("--top-p") || IS("--min-p") || IS("--repeat-penalty") ||
-            IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers");
+            IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers") ||
+            IS("--sparse-mode") || IS("--sparse-threshold");
         if (!takes_value) {
             return fail("unknown argument '%s'%s (see --help)", arg, "");
         }
@@ -135,6 +140,16 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         else if (IS("--repeat-penalty"))              ok = parse_float(val, &a->repeat_penalty) && a->repeat_penalty > 0.0f;
         else if (IS("--repeat-last-n"))               ok = parse_int(val, -1, INT32_MAX, &a->repeat_last_n);
         else if (IS("--vram-budget"))                 ok = parse_float(val, &a->vram_budget) && a->vram_budget >= 0.0f;
+        else if (IS("--sparse-threshold"))            ok = parse_float(val, &a->sparse_threshold);
+        else if (IS("--sparse-mode")) {
+            ok = false;
+            for (int32_t m = POWERINFER_SPARSE_AUTO; m <= POWERINFER_SPARSE_PREDICTOR; ++m) {
+                if (strcmp(val, powerinfer_sparse_mode_name(m)) == 0) {
+                    a->sparse_mode = m;
+                    ok = true;
+                }
+            }
+        }
         else                                          ok = parse_int(val, -1, INT32_MAX, &a->n_gpu_layers);
         if (!ok) {
             return fail("invalid value '%s' for %s", val, arg);
@@ -188,6 +203,7 @@ int main(int argc, char ** argv) {
         .n_predict = -1, .n_ctx = 4096, .n_batch = 512, .seed = 0xFFFFFFFFu,
         .temp = sp.temp, .top_p = sp.top_p, .min_p = sp.min_p, .repeat_penalty = 1.0f,
         .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = -1,
+        .sparse_mode = POWERINFER_SPARSE_AUTO, .sparse_threshold = NAN,
     };
     int rc = parse_args(argc, argv, &a);
     if (rc != 0) {
@@ -210,6 +226,8 @@ int main(int argc, char ** argv) {
     mp.n_threads       = a.n_threads;
     mp.vram_budget_gib = a.vram_budget;
     mp.n_gpu_layers    = a.n_gpu_layers;
+    mp.sparse_mode     = a.sparse_mode;
+    mp.sparse_threshold = a.sparse_threshold;
     struct powerinfer_model * model = powerinfer_model_load(a.model, mp);
     if (!model) {
         fprintf(stderr, "error: failed to load model: %s\n", powerinfer_last_error());
@@ -323,6 +341,7 @@ int main(int argc, char ** argv) {
 
     struct powerinfer_timings t = powerinfer_get_timings(ctx);
     fprintf(stderr, "\n");
+    fprintf(stderr, "sparse mode = %s\n", powerinfer_sparse_mode_name(powerinfer_model_sparse_mode(model)));
     fprintf(stderr, "load time   = %10.2f ms\n", t.t_load_ms);
     fprintf(stderr, "prompt eval = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)\n",
             t.t_prompt_ms, t.n_prompt, t.n_prompt ? t.t_prompt_ms / t.n_prompt : 0.0,
