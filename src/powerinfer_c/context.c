@@ -59,6 +59,7 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
+        .sparse     = ctx->sparse,
     };
     struct pi_graph_inputs in;
     struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
@@ -114,7 +115,11 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     ctx->graph_buf      = malloc(ctx->graph_buf_size);
     ctx->backend        = ggml_backend_cpu_init();
     ctx->galloc         = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc) {
+    ctx->sparse         = calloc((size_t) model->hp.n_layer, sizeof(*ctx->sparse));
+    for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
+        ctx->sparse[il].threshold = model->layers[il].sparse_tau;
+    }
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
@@ -139,6 +144,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     free(ctx->scratch);
     free(ctx->logits);
     free(ctx->embd);
+    free(ctx->sparse);
     free(ctx);
 }
 
@@ -222,6 +228,7 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
+        .sparse     = ctx->sparse,
     };
     struct pi_graph_inputs in;
     struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
@@ -372,4 +379,16 @@ void powerinfer_reset_timings(struct powerinfer_context * ctx) {
     double t_load = ctx->timings.t_load_ms;
     memset(&ctx->timings, 0, sizeof(ctx->timings));
     ctx->timings.t_load_ms = t_load;
+    for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
+        ctx->sparse[il].n_active = ctx->sparse[il].n_total = 0;
+    }
+}
+
+int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il, int64_t * n_active, int64_t * n_total) {
+    if (il < 0 || il >= ctx->model->hp.n_layer) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d is out of range", il);
+    }
+    *n_active = ctx->sparse[il].n_active;
+    *n_total  = ctx->sparse[il].n_total;
+    return POWERINFER_OK;
 }

@@ -76,15 +76,20 @@ static int32_t bad(const char * path, const char * what) {
 
 // Reads one key/value pair into g.
 static int32_t read_kv(struct cursor * c, struct gguf_context * g, const char * path) {
+    const uint8_t * key_start = c->p + sizeof(uint64_t);
     char * key = take_str(c);
     if (!key) {
         return bad(path, "a key is truncated");
     }
     int32_t rc = POWERINFER_OK;
     uint32_t type;
-    if (gguf_find_key(g, key) >= 0) {
+    if (*key == '\0' || (size_t) (c->p - key_start) != strlen(key)) {
+        rc = bad(path, "a key is empty or contains a NUL byte");
+    } else if (gguf_find_key(g, key) >= 0) {
         rc = pi_fail(POWERINFER_ERR_FORMAT, "'%s' is not a valid PowerInfer GGUF file: key '%s' appears twice", path, key);
     } else if (!take(c, &type, sizeof(type)) || type >= GGUF_TYPE_COUNT) {
+        rc = pi_fail(POWERINFER_ERR_FORMAT, "'%s' is not a valid PowerInfer GGUF file: key '%s' has a bad type", path, key);
+    } else if (strcmp(key, "general.alignment") == 0 && type != GGUF_TYPE_UINT32) {
         rc = pi_fail(POWERINFER_ERR_FORMAT, "'%s' is not a valid PowerInfer GGUF file: key '%s' has a bad type", path, key);
     } else if (type == GGUF_TYPE_STRING) {
         char * s = take_str(c);
@@ -124,19 +129,27 @@ static int32_t read_kv(struct cursor * c, struct gguf_context * g, const char * 
         }
     } else {
         uint8_t v[8];
-        if (!take(c, v, scalar_size((enum gguf_type) type))) rc = bad(path, "a value is truncated");
-        else set_scalar(g, key, (enum gguf_type) type, v);
+        uint32_t u = 0;
+        if (!take(c, v, scalar_size((enum gguf_type) type))) {
+            rc = bad(path, "a value is truncated");
+        } else if (strcmp(key, "general.alignment") == 0 &&
+                   (type != GGUF_TYPE_UINT32 || (memcpy(&u, v, 4), u == 0 || (u & (u - 1)) != 0))) {
+            rc = bad(path, "general.alignment is not a power of two of type u32");
+        } else {
+            set_scalar(g, key, (enum gguf_type) type, v);
+        }
     }
     free(key);
     return rc;
 }
 
 static int32_t read_tensor_info(struct cursor * c, struct pi_tensor_info * ti, const char * path) {
+    const uint8_t * name_start = c->p + sizeof(uint64_t);
     char * name = take_str(c);
     if (!name) {
         return bad(path, "a tensor name is truncated");
     }
-    if (strlen(name) >= GGML_MAX_NAME || strlen(name) == 0) {
+    if (strlen(name) >= GGML_MAX_NAME || strlen(name) == 0 || (size_t) (c->p - name_start) != strlen(name)) {
         int32_t rc = pi_fail(POWERINFER_ERR_FORMAT, "'%s': tensor name '%.40s' is empty or longer than %d bytes",
                              path, name, GGML_MAX_NAME - 1);
         free(name);
@@ -224,10 +237,7 @@ int32_t pi_gguf_read(const char * path, const uint8_t * data, uint64_t size, str
     uint32_t alignment = 32;
     const int64_t ka = rc == POWERINFER_OK ? gguf_find_key(out->gguf, "general.alignment") : -1;
     if (ka >= 0) {
-        if (gguf_get_kv_type(out->gguf, ka) != GGUF_TYPE_UINT32 || (alignment = gguf_get_val_u32(out->gguf, ka)) == 0 ||
-            (alignment & (alignment - 1)) != 0) {
-            rc = bad(path, "general.alignment is not a power of two");
-        }
+        alignment = gguf_get_val_u32(out->gguf, ka);  // type and value checked when read
     }
     if (rc == POWERINFER_OK) {
         const uint64_t pos = (uint64_t) (c.p - data);

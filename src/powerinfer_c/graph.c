@@ -37,15 +37,11 @@ static struct ggml_tensor * build_glu(struct ggml_context * ctx, enum pi_ffn_act
 // Down projection of h [n_ff, n_tokens]: through ffn_down when the file has it, else
 // as an AXPY over the rows of ffn_down_t with a nonzero activation.
 static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct pi_layer * l, struct ggml_tensor * h,
-                                       struct ggml_tensor * idx) {
-    if (!idx && l->ffn_down) {
+                                       struct pi_active_stat * stat) {
+    if (l->ffn_down) {
         return ggml_mul_mat(ctx, l->ffn_down, h);
     }
-    if (!idx) {
-        static const float zero = 0.0f;
-        idx = pi_active_index(ctx, ggml_abs(ctx, h), &zero);
-    }
-    return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+    return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }
 
 // Largest batch that takes the sparse path; above it the union of active neurons is
@@ -55,7 +51,7 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
 // x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
 // (the predictor's input). Returns [n_embd, n_tokens].
 static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
-                                      struct ggml_tensor * x, struct ggml_tensor * x_res) {
+                                      struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat) {
     const struct pi_layer * l = &model->layers[il];
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
@@ -64,7 +60,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct po
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
         struct ggml_tensor * a   = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
-        struct ggml_tensor * idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), &l->sparse_tau);
+        struct ggml_tensor * idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), stat);
         struct ggml_tensor * xq  = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
         struct ggml_tensor * h   = ggml_mul(ctx, a, pi_sparse_matvec(ctx, l->ffn_up, xq, idx));
         return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
@@ -72,7 +68,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct po
     if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
         // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i > tau.
         struct ggml_tensor * logit = ggml_mul_mat(ctx, l->fc2, ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)));
-        struct ggml_tensor * idx   = pi_active_index(ctx, logit, &l->sparse_tau);
+        struct ggml_tensor * idx   = pi_active_index(ctx, logit, stat);
         struct ggml_tensor * xq    = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
         struct ggml_tensor * up    = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
         struct ggml_tensor * gate  = NULL;
@@ -85,7 +81,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct po
     }
     struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
     struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
-    return build_down(ctx, l, build_glu(ctx, act, gate, up), NULL);
+    return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
 }
 
 // Writes this batch's K and V into the cache and attends over cells [0, n_kv).
@@ -196,7 +192,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
 
         cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
-        cur = build_ffn(ctx, model, il, cur, ffn_inp);
+        cur = build_ffn(ctx, model, il, cur, ffn_inp, &gp->sparse[il]);
         inpL = ggml_add(ctx, cur, ffn_inp);
     }
 

@@ -8,6 +8,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "gguf.h"
+#include "sparse_ops.h"
 
 #include <stdarg.h>
 
@@ -158,6 +159,7 @@ struct pi_graph_params {
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // 1 or n_tokens
     bool    flash_attn;
+    struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
 };
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
@@ -182,6 +184,7 @@ struct powerinfer_context {
     int32_t            logits_capacity; // rows
 
     struct powerinfer_timings timings;
+    struct pi_active_stat *   sparse;          // per layer
 };
 
 // Makes room for `rows` rows of logits (and embeddings, when enabled).

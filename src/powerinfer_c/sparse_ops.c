@@ -18,7 +18,8 @@ static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * u
         return;
     }
     const struct ggml_tensor * score = dst->src[0];
-    const float threshold = *(const float *) userdata;
+    struct pi_active_stat * stat = userdata;
+    const float threshold = stat->threshold;
     const int64_t n_ff = score->ne[0], n_tok = score->ne[1];
     int32_t * out = (int32_t *) dst->data;
     int32_t n = 0;
@@ -32,12 +33,14 @@ static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * u
         }
     }
     out[0] = n;
+    stat->n_active += n;
+    stat->n_total  += n_ff;
 }
 
-struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, const float * threshold) {
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat) {
     GGML_ASSERT(score->type == GGML_TYPE_F32);
     struct ggml_tensor * args[1] = { score };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + 1, 1, 1, 1, args, 1, active_index_op, 1, (void *) threshold);
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + 1, 1, 1, 1, args, 1, active_index_op, 1, stat);
 }
 
 // ---- conversion of the input to the weights' vec_dot type ----------------------------

@@ -4,11 +4,18 @@
 
 #include "ggml.h"
 
+// Threshold and counters of one active-index op; must outlive the graph.
+struct pi_active_stat {
+    float   threshold;
+    int64_t n_active;  // summed over runs
+    int64_t n_total;   // neurons considered, summed over runs
+};
+
 // score: F32 [n_ff, T]. Result: I32 [n_ff + 1]: element 0 is the number of active
 // neurons n, elements 1..n their ids in ascending order, where a neuron is active if
-// score > *threshold for any token (the union over the batch). *threshold is read when
-// the graph runs, so it must outlive the graph.
-struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, const float * threshold);
+// score > stat->threshold for any token (the union over the batch). Each run adds to
+// stat's counters.
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat);
 
 // x: F32 [n, T] -> [n, T] of `type` (the weights' vec_dot type); x itself if type is F32.
 struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tensor * x, enum ggml_type type);

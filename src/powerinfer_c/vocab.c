@@ -6,6 +6,8 @@
 
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -33,8 +35,56 @@ static struct llama_model * load_vocab_of_powerinfer_file(const struct powerinfe
     return m;
 }
 
+static int cmp_str(const void * a, const void * b) {
+    return strcmp(*(const char * const *) a, *(const char * const *) b);
+}
+
+// libllama aborts (instead of failing) on some inconsistent tokenizers; check those
+// properties first so a corrupt file gives an error.
+static int32_t validate_tokenizer(const struct powerinfer_model * model) {
+    const struct gguf_context * g = model->gguf;
+    const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_STRING) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "'%s' has no tokenizer (tokenizer.ggml.tokens is missing or not a string array)",
+                       model->path);
+    }
+    const size_t n = gguf_get_arr_n(g, id);
+    static const struct { const char * key; enum gguf_type type; } per_token[] = {
+        { "tokenizer.ggml.scores",     GGUF_TYPE_FLOAT32 },
+        { "tokenizer.ggml.token_type", GGUF_TYPE_INT32 },
+    };
+    for (size_t k = 0; k < sizeof(per_token) / sizeof(per_token[0]); ++k) {
+        const int64_t a = gguf_find_key(g, per_token[k].key);
+        if (a >= 0 && (gguf_get_kv_type(g, a) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, a) != per_token[k].type ||
+                       gguf_get_arr_n(g, a) != n)) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "tokenizer: %s must be an array of %zu %s", per_token[k].key, n,
+                           gguf_type_name(per_token[k].type));
+        }
+    }
+    const char ** strs = malloc((n ? n : 1) * sizeof(*strs));
+    if (!strs) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    for (size_t i = 0; i < n; ++i) {
+        strs[i] = gguf_get_arr_str(g, id, i);
+    }
+    qsort(strs, n, sizeof(*strs), cmp_str);
+    int32_t rc = POWERINFER_OK;
+    for (size_t i = 1; i < n && rc == POWERINFER_OK; ++i) {
+        if (strcmp(strs[i - 1], strs[i]) == 0) {
+            rc = pi_fail(POWERINFER_ERR_FORMAT, "tokenizer: the token '%.40s' appears twice in tokenizer.ggml.tokens", strs[i]);
+        }
+    }
+    free(strs);
+    return rc;
+}
+
 int32_t pi_vocab_load(struct powerinfer_model * model) {
     pthread_once(&g_backend_once, backend_init_once);
+    int32_t rc = validate_tokenizer(model);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
     struct llama_model_params mp = llama_model_default_params();
     mp.vocab_only = true;
     model->llm_vocab_model = model->is_powerinfer ? load_vocab_of_powerinfer_file(model, mp)

@@ -198,8 +198,13 @@ POWERINFER_API size_t  powerinfer_state_size(const struct powerinfer_context * c
 POWERINFER_API size_t  powerinfer_state_save(const struct powerinfer_context * ctx, uint8_t * dst, size_t dst_size);
 POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, const uint8_t * src, size_t src_size);
 
+// Active FFN neurons of layer il summed over the sparse steps since the last reset
+// (n_total: neurons considered). Steps through ggml's dense matmul are not counted.
+POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il,
+                                               int64_t * n_active, int64_t * n_total);
+
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
-POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx);
+POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
 
 // ---- sampling (libllama's sampler chain) -----------------------------------
 POWERINFER_API struct powerinfer_sampler_params powerinfer_sampler_default_params(void);

@@ -1,0 +1,261 @@
+"""Synthetic ReLU llama-architecture models with planted activation sparsity, for tests
+and benchmarks. Each model is written twice: as a standard GGUF (llama.cpp runs it,
+`ffn_down`) and as its PowerInfer twin (`PWRI` magic, `ffn_down_t`, predictors).
+
+How the sparsity is planted (see docs/synthetic-models.md):
+- Residual channel 0 carries a constant: every token embedding has the value `c` there,
+  and the attention output and FFN down projections have zero weights into it, so it
+  stays `c` through every layer. After RMSNorm it acts as a bias input.
+- The gate matrix is low rank plus a bias column: gate_i(x) = u_i . (V x) - b_i x_0.
+  `b_i` is solved per neuron from sampled inputs so that neuron i fires (ReLU > 0) with
+  probability p_i, a power law over neurons averaging about `active_frac` (10%).
+- The predictor is exact by construction: fc2 . relu(fc1 . x_res) = W_gate diag(g) x_res,
+  which is the gate pre-activation times the positive RMS of x_res, so it has the same
+  sign (fc1 = [A; -A], fc2 = [B, -B] and relu(y) - relu(-y) = y). Weight quantization
+  makes it slightly inexact; `python -m powerinfer_py.synthetic` reports recall.
+
+Run `python -m powerinfer_py.synthetic --preset tiny|7b --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+PWRI_MAGIC = b"PWRI"
+
+
+@dataclass
+class SyntheticSpec:
+    name: str
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    gate_rank: int
+    wtype: str  # gguf quantization type name for 2-D weights: F32, F16, Q8_0, Q4_0
+    active_frac: float = 0.10
+    power: float = 1.0  # p_i ~ (rank_i + 1) ** -power
+    n_ctx: int = 2048
+    seed: int = 0
+    embd_const: float = 0.0  # 0: chosen so channel 0 is ~half the embedding's RMS energy
+
+
+PRESETS: Dict[str, SyntheticSpec] = {
+    "tiny": SyntheticSpec("tiny-relu", n_embd=64, n_ff=256, n_layer=2, n_head=4, n_head_kv=2, gate_rank=16, wtype="F32"),
+    "tiny-q8": SyntheticSpec("tiny-relu-q8", n_embd=128, n_ff=384, n_layer=3, n_head=4, n_head_kv=4, gate_rank=24, wtype="Q8_0"),
+    "7b": SyntheticSpec("relu-7b-shaped", n_embd=4096, n_ff=11008, n_layer=32, n_head=32, n_head_kv=32, gate_rank=127,
+                        wtype="Q4_0", n_ctx=4096),
+}
+
+
+def _vocab():
+    """A byte-level SentencePiece-style vocabulary: <unk>, <s>, </s>, the 256 byte
+    tokens and a few word pieces, enough for libllama to tokenize any text."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    pieces = ["\u2581", "\u2581the", "\u2581a", "e", "t", "a", "o", "n", "\u2581of", "\u2581and"]
+    tokens += pieces
+    types += [gguf.TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * 259 + [-float(i + 1) for i in range(len(pieces))]
+    return tokens, scores, types
+
+
+def _quant(arr: np.ndarray, wtype: str):
+    """(data, raw_dtype) for GGUFWriter.add_tensor; arr is float32 in numpy (row-major) shape."""
+    import gguf
+
+    if wtype == "F32":
+        return arr.astype(np.float32), None
+    if wtype == "F16":
+        return arr.astype(np.float16), None
+    qt = getattr(gguf.GGMLQuantizationType, wtype)
+    return gguf.quants.quantize(arr.astype(np.float32), qt), qt
+
+
+def _fire_probabilities(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
+    """Power-law firing probabilities with mean active_frac, in a random neuron order."""
+    ranks = np.arange(spec.n_ff)
+    p = (ranks + 1.0) ** -spec.power
+    # Scale to the target mean, capping at 0.95 and redistributing the excess.
+    for _ in range(50):
+        q = np.minimum(p * spec.active_frac * spec.n_ff / p.sum(), 0.95)
+        if abs(q.mean() - spec.active_frac) < 1e-4:
+            break
+        p = q
+    return rng.permutation(np.clip(q, 1e-4, 0.95))
+
+
+class _Layer:
+    """Weights of one layer, float32, numpy row-major (ggml ne reversed)."""
+
+    def __init__(self, spec: SyntheticSpec, rng: np.random.Generator, x_samples: np.ndarray, ffn_norm: np.ndarray):
+        from statistics import NormalDist
+
+        e, f, d_head = spec.n_embd, spec.n_ff, spec.n_embd // spec.n_head
+        kv = d_head * spec.n_head_kv
+        s = 1.0 / np.sqrt(e)
+        self.wq = (rng.standard_normal((e, e)) * s).astype(np.float32)
+        self.wk = (rng.standard_normal((kv, e)) * s).astype(np.float32)
+        self.wv = (rng.standard_normal((kv, e)) * s).astype(np.float32)
+        self.wo = (rng.standard_normal((e, e)) * s * 0.1).astype(np.float32)
+        self.wo[0, :] = 0.0  # nothing writes residual channel 0
+        self.up = (rng.standard_normal((f, e)) * s).astype(np.float32)
+        self.down = (rng.standard_normal((e, f)) * s * 0.1).astype(np.float32)  # numpy [n_embd, n_ff]
+        self.down[0, :] = 0.0
+        # Gate: low rank over channels 1.. plus a per-neuron bias through channel 0.
+        u = rng.standard_normal((f, spec.gate_rank)).astype(np.float32)
+        v = (rng.standard_normal((spec.gate_rank, e)) * s).astype(np.float32)
+        v[:, 0] = 0.0
+        gate = u @ v
+        xn = x_samples * ffn_norm  # normalized FFN inputs (RMSNorm output times ffn_norm)
+        z = xn @ gate.T  # [samples, n_ff]
+        sigma = z.std(axis=0) + 1e-6
+        x0 = float(np.mean(xn[:, 0]))
+        p = _fire_probabilities(spec, rng)
+        nd = NormalDist()
+        b = np.array([nd.inv_cdf(1.0 - pi) for pi in p]) * sigma / x0
+        gate[:, 0] = -b
+        self.gate = gate.astype(np.float32)
+        self.p_fire = p
+        # Exact predictor of sign(gate . (g * x_res)): W' = gate diag(g) = U (V diag g) + (-b)(g0 e0^T).
+        a = np.concatenate([v * ffn_norm[None, :], (ffn_norm[0] * np.eye(1, e, 0)).astype(np.float32)], axis=0)
+        bmat = np.concatenate([u, -b[:, None]], axis=1).astype(np.float32)
+        # Rank 2(r+1), padded with zero units to whole quantization blocks.
+        rank = -(-2 * a.shape[0] // 32) * 32
+        self.fc1 = np.zeros((rank, e), dtype=np.float32)
+        self.fc1[: 2 * a.shape[0]] = np.concatenate([a, -a], axis=0)
+        self.fc2 = np.zeros((f, rank), dtype=np.float32)
+        self.fc2[:, : 2 * a.shape[0]] = np.concatenate([bmat, -bmat], axis=1)
+
+
+def _rms_norm(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -> Dict[str, str]:
+    """Writes <name>.gguf (standard) and <name>.powerinfer.gguf (PWRI twin) into out_dir;
+    returns their paths and a stats JSON path."""
+    import gguf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+    e = spec.n_embd
+    c = spec.embd_const or float(np.sqrt(e))  # channel 0 holds about half the energy
+    embd = rng.standard_normal((n_vocab, e)).astype(np.float32)
+    embd[:, 0] = c
+    out_w = (rng.standard_normal((n_vocab, e)) / np.sqrt(e)).astype(np.float32)
+    ffn_norm = np.ones(e, dtype=np.float32)
+    x_samples = _rms_norm(embd[rng.integers(0, n_vocab, size=512)])
+
+    paths = {"dense": str(out / f"{spec.name}.gguf"), "powerinfer": str(out / f"{spec.name}.powerinfer.gguf")}
+    writers = {}
+    for kind, path in paths.items():
+        w = gguf.GGUFWriter(path + ".tmp", "llama")
+        w.add_name(spec.name)
+        w.add_context_length(spec.n_ctx)
+        w.add_embedding_length(e)
+        w.add_block_count(spec.n_layer)
+        w.add_feed_forward_length(spec.n_ff)
+        w.add_head_count(spec.n_head)
+        w.add_head_count_kv(spec.n_head_kv)
+        w.add_rope_dimension_count(e // spec.n_head)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.wtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
+                        if spec.wtype == "F16" else getattr(gguf.LlamaFileType, f"MOSTLY_{spec.wtype}"))
+        w.add_string("powerinfer.ffn_activation", "relu")
+        if kind == "powerinfer":
+            w.add_float32("powerinfer.sparse_threshold", 0.0)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        writers[kind] = w
+
+    def add(name, arr, kinds=("dense", "powerinfer"), quantize=True):
+        data, raw = _quant(arr, spec.wtype) if quantize else (arr.astype(np.float32), None)
+        for k in kinds:
+            if raw is None:
+                writers[k].add_tensor(name, data)
+            else:
+                writers[k].add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw)
+
+    add("token_embd.weight", embd)
+    add("output_norm.weight", np.ones(e, dtype=np.float32), quantize=False)
+    add("output.weight", out_w)
+    stats = {"spec": asdict(spec), "layers": []}
+    t0 = time.time()
+    for il in range(spec.n_layer):
+        layer = _Layer(spec, rng, x_samples, ffn_norm)
+        add(f"blk.{il}.attn_norm.weight", np.ones(e, dtype=np.float32), quantize=False)
+        add(f"blk.{il}.attn_q.weight", layer.wq)
+        add(f"blk.{il}.attn_k.weight", layer.wk)
+        add(f"blk.{il}.attn_v.weight", layer.wv)
+        add(f"blk.{il}.attn_output.weight", layer.wo)
+        add(f"blk.{il}.ffn_norm.weight", ffn_norm, quantize=False)
+        add(f"blk.{il}.ffn_gate.weight", layer.gate)
+        add(f"blk.{il}.ffn_up.weight", layer.up)
+        add(f"blk.{il}.ffn_down.weight", layer.down, kinds=("dense",))
+        add(f"blk.{il}.ffn_down_t.weight", np.ascontiguousarray(layer.down.T), kinds=("powerinfer",))
+        add(f"blk.{il}.fc1.weight", layer.fc1, kinds=("powerinfer",))
+        add(f"blk.{il}.fc2.weight", layer.fc2, kinds=("powerinfer",))
+        stats["layers"].append({"planted_active_frac": float(layer.p_fire.mean()),
+                                "predictor_rank": int(layer.fc1.shape[0])})
+        if progress:
+            done = il + 1
+            eta = (time.time() - t0) / done * (spec.n_layer - done)
+            print(f"\r{spec.name}: layer {done}/{spec.n_layer} generated, ~{eta:.0f}s left", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+
+    for kind, w in writers.items():
+        if progress:
+            print(f"{spec.name}: writing {paths[kind]}", file=sys.stderr, flush=True)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=progress)
+        w.close()
+    with open(paths["powerinfer"] + ".tmp", "r+b") as f:
+        f.write(PWRI_MAGIC)
+    for path in paths.values():
+        os.replace(path + ".tmp", path)
+    paths["stats"] = str(out / f"{spec.name}.stats.json")
+    with open(paths["stats"], "w") as f:
+        json.dump(stats, f, indent=1)
+    return paths
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m powerinfer_py.synthetic", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args(argv)
+    spec = PRESETS[args.preset]
+    if args.seed is not None:
+        spec.seed = args.seed
+    paths = generate(spec, args.out)
+    print(json.dumps(paths, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

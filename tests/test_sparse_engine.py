@@ -1,0 +1,292 @@
+"""The sparse engine end to end on tiny synthetic ReLU models (powerinfer_py.synthetic):
+gate and predictor modes against dense, thread-count agreement, PowerInfer-format
+round trip, and malformed PWRI files."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from powerinfer_py._bindings import ffi, lib
+from powerinfer_py.synthetic import PRESETS, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = ROOT / "build" / "bin" / "main"
+MODES = {"dense": lib.POWERINFER_SPARSE_DENSE, "gate": lib.POWERINFER_SPARSE_GATE,
+         "predictor": lib.POWERINFER_SPARSE_PREDICTOR, "auto": lib.POWERINFER_SPARSE_AUTO}
+PROMPT = b"the cat sat on the mat and"
+N_GEN = 24
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synthetic")
+    return {name: generate(PRESETS[name], out, progress=False) for name in ("tiny", "tiny-q8")}
+
+
+def _error() -> str:
+    return ffi.string(lib.powerinfer_last_error()).decode()
+
+
+class Engine:
+    """Just enough of the C API to decode greedily and read logits and stats."""
+
+    def __init__(self, path, mode="auto", threads=2, threshold=float("nan")):
+        mp = lib.powerinfer_model_default_params()
+        mp.sparse_mode = MODES[mode]
+        mp.sparse_threshold = threshold
+        self.model = lib.powerinfer_model_load(str(path).encode(), mp)
+        if self.model == ffi.NULL:
+            raise ValueError(_error())
+        cp = lib.powerinfer_context_default_params()
+        cp.n_threads = threads
+        cp.n_ctx = 256
+        self.ctx = lib.powerinfer_context_new(self.model, cp)
+        assert self.ctx != ffi.NULL, _error()
+        self.n_vocab = lib.powerinfer_model_n_vocab(self.model)
+
+    def close(self):
+        lib.powerinfer_context_free(self.ctx)
+        lib.powerinfer_model_free(self.model)
+
+    def mode(self) -> str:
+        return ffi.string(lib.powerinfer_sparse_mode_name(lib.powerinfer_model_sparse_mode(self.model))).decode()
+
+    def _logits(self):
+        return np.frombuffer(ffi.buffer(lib.powerinfer_get_logits_ith(self.ctx, -1), self.n_vocab * 4), dtype=np.float32).copy()
+
+    def greedy(self, prompt=PROMPT, n=N_GEN, one_by_one=True):
+        """Greedy tokens and the logits each was chosen from. Tokens go in one at a
+        time (the sparse path) unless one_by_one is False."""
+        buf = ffi.new("int32_t[]", 256)
+        n_tok = lib.powerinfer_tokenize(self.model, prompt, len(prompt), buf, 256, True, False)
+        toks = list(buf[0:n_tok])
+        if one_by_one:
+            for pos, t in enumerate(toks):
+                assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, pos, False) == 0, _error()
+        else:
+            assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", toks), len(toks), 0, False) == 0, _error()
+        out, logits = [], []
+        for _ in range(n):
+            lg = self._logits()
+            t = int(np.argmax(lg))
+            out.append(t)
+            logits.append(lg)
+            assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, len(toks) + len(out) - 1, False) == 0
+        return out, np.array(logits)
+
+    def active_fraction(self):
+        a, b = ffi.new("int64_t*"), ffi.new("int64_t*")
+        fr = []
+        for il in range(lib.powerinfer_model_n_layer(self.model)):
+            assert lib.powerinfer_sparse_stats(self.ctx, il, a, b) == 0
+            fr.append(a[0] / max(b[0], 1))
+        return np.array(fr)
+
+
+def _run(path, mode, **kw):
+    e = Engine(path, mode, **kw)
+    try:
+        toks, logits = e.greedy()
+        return toks, logits, e.active_fraction(), e.mode()
+    finally:
+        e.close()
+
+
+# Logit tolerance, relative to the largest logit. F32 weights: the sparse and dense
+# paths differ only in float32 summation order (~n * eps). Q8_0 weights: activations
+# are rounded to 8 bits (step 1/127 of a block's max) before every dot product, and a
+# different summation order can flip a rounding, so allow two such steps.
+TOL = {"tiny": 1e-4, "tiny-q8": 2.0 / 127}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-q8"])
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_sparse_modes_match_dense(tiny, name, mode):
+    path = tiny[name]["powerinfer"]
+    d_toks, d_logits, _, d_mode = _run(path, "dense")
+    s_toks, s_logits, frac, s_mode = _run(path, mode)
+    assert (d_mode, s_mode) == ("dense", mode)
+    assert s_toks == d_toks
+    scale = np.abs(d_logits).max()
+    assert np.abs(s_logits - d_logits).max() <= TOL[name] * scale
+    # The planted sparsity is real: about 10% of neurons fire (power law, capped at 95%).
+    assert np.all((frac > 0.03) & (frac < 0.3)), frac
+
+
+def test_auto_mode_picks_predictor_for_powerinfer_files_and_gate_needs_down_t(tiny):
+    e = Engine(tiny["tiny"]["powerinfer"], "auto")
+    assert e.mode() == "predictor"
+    e.close()
+    e = Engine(tiny["tiny"]["dense"], "auto")  # standard twin: no ffn_down_t, no predictor
+    assert e.mode() == "dense"
+    e.close()
+    with pytest.raises(ValueError, match="ffn_down_t"):
+        Engine(tiny["tiny"]["dense"], "gate")
+    with pytest.raises(ValueError, match="predictor"):
+        Engine(tiny["tiny"]["dense"], "predictor")
+
+
+def test_standard_twin_matches_powerinfer_file_in_dense_mode(tiny):
+    """Same weights, down stored as ffn_down (mul_mat) vs ffn_down_t (AXPY)."""
+    a_toks, a_logits, _, _ = _run(tiny["tiny"]["dense"], "dense")
+    b_toks, b_logits, _, _ = _run(tiny["tiny"]["powerinfer"], "dense")
+    assert a_toks == b_toks
+    assert np.abs(a_logits - b_logits).max() <= TOL["tiny"] * np.abs(a_logits).max()
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_thread_counts_agree(tiny, mode):
+    results = [_run(tiny["tiny-q8"]["powerinfer"], mode, threads=t) for t in (1, 2, 3)]
+    for toks, logits, _, _ in results[1:]:
+        assert toks == results[0][0]
+        assert np.array_equal(logits, results[0][1])
+
+
+def test_threshold_trades_sparsity(tiny):
+    """A higher predictor threshold activates fewer neurons; the override works."""
+    _, _, base, _ = _run(tiny["tiny"]["powerinfer"], "predictor")
+    _, _, high, _ = _run(tiny["tiny"]["powerinfer"], "predictor", threshold=5.0)
+    assert high.mean() < base.mean()
+
+
+def test_batched_prompt_matches_token_by_token(tiny):
+    e = Engine(tiny["tiny"]["powerinfer"], "predictor")
+    a, _ = e.greedy(one_by_one=True)
+    e.close()
+    e = Engine(tiny["tiny"]["powerinfer"], "predictor")
+    b, _ = e.greedy(one_by_one=False)
+    e.close()
+    assert a == b
+
+
+# ---- PowerInfer-format round trip ------------------------------------------------------
+
+
+def test_powerinfer_file_round_trip(tiny, tmp_path):
+    import gguf
+
+    path = Path(tiny["tiny"]["powerinfer"])
+    assert path.read_bytes()[:4] == b"PWRI"
+    # The same bytes with the standard magic are readable by the gguf package.
+    copy = tmp_path / "as-gguf.gguf"
+    shutil.copy(path, copy)
+    with open(copy, "r+b") as f:
+        f.write(b"GGUF")
+    reader = gguf.GGUFReader(str(copy))
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.ffn_down_t.weight", "blk.0.fc1.weight", "blk.0.fc2.weight"} <= names
+    assert "blk.0.ffn_down.weight" not in names
+
+    e = Engine(path, "predictor")
+    try:
+        buf = ffi.new("char[]", 256)
+        n = lib.powerinfer_model_meta_val_str(e.model, b"powerinfer.ffn_activation", buf, 256)
+        assert ffi.string(buf, n) == b"relu"
+        assert lib.powerinfer_model_meta_val_str(e.model, b"general.architecture", buf, 256) > 0
+        assert ffi.string(buf) == b"llama"
+        assert lib.powerinfer_model_sparse_threshold(e.model, 0) == 0.0
+        assert ffi.string(lib.powerinfer_model_ffn_activation(e.model)) == b"relu"
+        toks, _ = e.greedy(n=8)
+        assert len(toks) == 8
+    finally:
+        e.close()
+
+
+def test_env_threshold_overrides_file(tiny, monkeypatch):
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "1.5")
+    e = Engine(tiny["tiny"]["powerinfer"], "predictor")
+    assert lib.powerinfer_model_sparse_threshold(e.model, 1) == 1.5
+    e.close()
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "abc")
+    with pytest.raises(ValueError, match="LLAMA_SPARSE_PRED_THRESHOLD"):
+        Engine(tiny["tiny"]["powerinfer"], "predictor")
+
+
+# ---- malformed PWRI files ----------------------------------------------------------------
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv_str(key, val):
+    return _s(key) + struct.pack("<I", 8) + _s(val)
+
+
+def _tensor_info(name, dims, ggml_type=0, offset=0):
+    return _s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ggml_type, offset)
+
+
+def _pwri(kvs=(), infos=(), n_kv=None, n_tensors=None, version=3, data=b"", magic=b"PWRI"):
+    head = magic + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors,
+                               len(kvs) if n_kv is None else n_kv)
+    body = head + b"".join(kvs) + b"".join(infos)
+    body += b"\0" * (-len(body) % 32)
+    return body + data
+
+
+ARCH = _kv_str("general.architecture", "llama")
+MALFORMED = {
+    "bad version": (_pwri([ARCH], version=2), "version"),
+    "truncated header": (_pwri([ARCH])[:12], "truncated"),
+    "huge key count": (_pwri([ARCH], n_kv=1 << 40), "implausible"),
+    "key count past the end": (_pwri([ARCH], n_kv=5), "key is empty|truncated"),
+    "empty key": (_pwri([_kv_str("", "x")]), "key is empty"),
+    "bad alignment": (_pwri([_s("general.alignment") + struct.pack("<II", 4, 24)]), "power of two"),
+    "alignment of the wrong type": (_pwri([_kv_str("general.alignment", "32")]), "bad type"),
+    "bad value type": (_pwri([_s("a.b") + struct.pack("<I", 99)]), "bad type"),
+    "duplicate key": (_pwri([ARCH, ARCH]), "twice"),
+    "nested array": (_pwri([_s("a.b") + struct.pack("<IIQ", 9, 9, 1)]), "not supported"),
+    "array longer than file": (_pwri([_s("a.b") + struct.pack("<IIQ", 9, 6, 1 << 40)]), "longer than the file"),
+    "string longer than file": (_pwri([_s("a.b") + struct.pack("<I", 8) + struct.pack("<Q", 1 << 50)]), "truncated"),
+    "zero dimensions": (_pwri([ARCH], [_tensor_info("t", [])]), "dimensions"),
+    "five dimensions": (_pwri([ARCH], [_tensor_info("t", [1, 1, 1, 1, 1])]), "dimensions"),
+    "overflowing shape": (_pwri([ARCH], [_tensor_info("t", [1 << 40, 1 << 40])]), "overflowing"),
+    "unknown tensor type": (_pwri([ARCH], [_tensor_info("t", [32], ggml_type=200)]), "unknown type"),
+    "duplicate tensor": (_pwri([ARCH], [_tensor_info("t", [4]), _tensor_info("t", [4], offset=32)], data=b"\0" * 64), "twice"),
+    "misaligned offset": (_pwri([ARCH], [_tensor_info("t", [4], offset=3)], data=b"\0" * 64), "aligned"),
+    "data past the end": (_pwri([ARCH], [_tensor_info("t", [1024])], data=b"\0" * 64), "truncated"),
+    "long tensor name": (_pwri([ARCH], [_tensor_info("x" * 80, [4])]), "longer than"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_powerinfer_files(tmp_path, case):
+    blob, pattern = MALFORMED[case]
+    path = tmp_path / "bad.powerinfer.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(ValueError, match=pattern):
+        Engine(path)
+    if CLI.exists():
+        r = subprocess.run([str(CLI), "-m", str(path), "-p", "x", "-n", "1"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and re.search(pattern, r.stderr), r.stderr
+
+
+def test_malformed_sparse_tensors(tiny, tmp_path):
+    """Well-formed PWRI layout, wrong predictor pieces: caught by the model's checks."""
+    import gguf
+
+    src = Path(tiny["tiny"]["powerinfer"])
+    copy = tmp_path / "gguf-view.gguf"
+    shutil.copy(src, copy)
+    with open(copy, "r+b") as f:
+        f.write(b"GGUF")
+    reader = gguf.GGUFReader(str(copy))
+    names = [t.name for t in reader.tensors]
+    # Rename blk.1.fc2.weight (same length name) so layer 1 has fc1 without fc2.
+    blob = bytearray(src.read_bytes())
+    i = blob.find(b"blk.1.fc2.weight")
+    assert i > 0 and "blk.1.fc2.weight" in names
+    blob[i : i + len(b"blk.1.fc2.weight")] = b"blk.1.fcX.weight"
+    bad = tmp_path / "half-predictor.powerinfer.gguf"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="only one of blk.1.fc1.weight and blk.1.fc2.weight"):
+        Engine(bad)
