@@ -416,6 +416,11 @@ static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
 
 int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model) { return model->hp.sparse_mode; }
 
+int64_t powerinfer_model_tensor_nbytes(const struct powerinfer_model * model, const char * name) {
+    const struct ggml_tensor * t = name && model->ctx_meta ? ggml_get_tensor(model->ctx_meta, name) : NULL;
+    return t ? (int64_t) ggml_nbytes(t) : -1;
+}
+
 float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il) {
     return il >= 0 && il < model->hp.n_layer ? model->layers[il].sparse_tau : NAN;
 }

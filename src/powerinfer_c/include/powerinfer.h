@@ -132,6 +132,8 @@ POWERINFER_API int32_t powerinfer_model_n_head(const struct powerinfer_model * m
 POWERINFER_API int32_t powerinfer_model_n_ff(const struct powerinfer_model * model);
 POWERINFER_API uint64_t powerinfer_model_size(const struct powerinfer_model * model);   // bytes of weights
 POWERINFER_API uint64_t powerinfer_model_n_params(const struct powerinfer_model * model);
+// Bytes of the named weight tensor in the file, or -1 if there is none.
+POWERINFER_API int64_t powerinfer_model_tensor_nbytes(const struct powerinfer_model * model, const char * name);
 // The sparse mode the model runs in (AUTO resolved), and its name.
 POWERINFER_API int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model);
 POWERINFER_API const char * powerinfer_sparse_mode_name(int32_t mode);
