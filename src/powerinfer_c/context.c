@@ -30,6 +30,7 @@ struct powerinfer_context_params powerinfer_context_default_params(void) {
         .n_threads_batch = 0,
         .flash_attn      = false,
         .embeddings      = false,
+        .collect_activations = false,
     };
     return p;
 }
@@ -116,10 +117,15 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     ctx->backend        = ggml_backend_cpu_init();
     ctx->galloc         = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     ctx->sparse         = calloc((size_t) model->hp.n_layer, sizeof(*ctx->sparse));
+    bool hist_ok = true;
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
+        if (params.collect_activations) {
+            ctx->sparse[il].hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
+            hist_ok &= ctx->sparse[il].hist != NULL;
+        }
     }
-    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse) {
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !hist_ok) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
@@ -144,6 +150,9 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     free(ctx->scratch);
     free(ctx->logits);
     free(ctx->embd);
+    for (int32_t il = 0; ctx->sparse && il < ctx->model->hp.n_layer; ++il) {
+        free(ctx->sparse[il].hist);
+    }
     free(ctx->sparse);
     free(ctx);
 }
@@ -382,6 +391,20 @@ void powerinfer_reset_timings(struct powerinfer_context * ctx) {
     for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
         ctx->sparse[il].n_active = ctx->sparse[il].n_total = 0;
     }
+}
+
+int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, int32_t il, uint64_t * counts,
+                                        int32_t n_bins, float * log10_min, float * log10_max) {
+    if (il < 0 || il >= ctx->model->hp.n_layer || !ctx->sparse[il].hist) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "no activation histogram for layer %d (collect_activations off?)", il);
+    }
+    if (n_bins != PI_HIST_BINS) {
+        return PI_HIST_BINS;
+    }
+    memcpy(counts, ctx->sparse[il].hist, sizeof(uint64_t) * PI_HIST_BINS);
+    *log10_min = PI_HIST_LOG10_MIN;
+    *log10_max = PI_HIST_LOG10_MAX;
+    return PI_HIST_BINS;
 }
 
 int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il, int64_t * n_active, int64_t * n_total) {

@@ -50,12 +50,12 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
 
 // x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
 // (the predictor's input). Returns [n_embd, n_tokens].
-static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
-                                      struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat) {
+static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
+                                      int il, struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat) {
     const struct pi_layer * l = &model->layers[il];
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
-    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= PI_SPARSE_MAX_BATCH;
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= PI_SPARSE_MAX_BATCH && !stat->hist;
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
@@ -81,6 +81,12 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, const struct po
     }
     struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
     struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
+    if (stat->hist && gate) {
+        // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
+        struct ggml_tensor * a = build_act(ctx, act, gate);
+        ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
+        return build_down(ctx, l, ggml_mul(ctx, a, up), stat);
+    }
     return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
 }
 
@@ -192,7 +198,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
 
         cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
-        cur = build_ffn(ctx, model, il, cur, ffn_inp, &gp->sparse[il]);
+        cur = build_ffn(ctx, gf, model, il, cur, ffn_inp, &gp->sparse[il]);
         inpL = ggml_add(ctx, cur, ffn_inp);
     }
 

@@ -7,6 +7,7 @@
 
 #include "ggml-cpu.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,33 @@ struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tens
     GGML_ASSERT(score->type == GGML_TYPE_F32);
     struct ggml_tensor * args[1] = { score };
     return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + 1, 1, 1, 1, args, 1, active_index_op, 1, stat);
+}
+
+// ---- activation histogram (calibration) ---------------------------------------------------
+
+static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    struct pi_active_stat * stat = userdata;
+    const struct ggml_tensor * x = dst->src[0];
+    const float scale = PI_HIST_BINS / (PI_HIST_LOG10_MAX - PI_HIST_LOG10_MIN);
+    for (int64_t t = 0; t < x->ne[1]; ++t) {
+        const float * row = (const float *) ((const char *) x->data + t * x->nb[1]);
+        for (int64_t i = 0; i < x->ne[0]; ++i) {
+            const float a = fabsf(row[i]);
+            int b = a > 0.0f ? (int) ((log10f(a) - PI_HIST_LOG10_MIN) * scale) : 0;
+            b = b < 0 ? 0 : b >= PI_HIST_BINS ? PI_HIST_BINS - 1 : b;
+            stat->hist[b]++;
+        }
+    }
+}
+
+struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat) {
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) && stat->hist);
+    struct ggml_tensor * args[1] = { x };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, histogram_op, 1, stat);
 }
 
 // ---- conversion of the input to the weights' vec_dot type ----------------------------

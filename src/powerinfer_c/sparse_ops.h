@@ -4,12 +4,23 @@
 
 #include "ggml.h"
 
-// Threshold and counters of one active-index op; must outlive the graph.
+// Histogram of activation magnitudes: PI_HIST_BINS log-spaced bins over
+// [10^PI_HIST_LOG10_MIN, 10^PI_HIST_LOG10_MAX); bin 0 also takes everything below.
+#define PI_HIST_BINS      480
+#define PI_HIST_LOG10_MIN (-8.0f)
+#define PI_HIST_LOG10_MAX (4.0f)
+
+// Threshold and counters of one layer's sparse FFN; must outlive the graph.
 struct pi_active_stat {
-    float   threshold;
-    int64_t n_active;  // summed over runs
-    int64_t n_total;   // neurons considered, summed over runs
+    float      threshold;
+    int64_t    n_active;  // summed over runs
+    int64_t    n_total;   // neurons considered, summed over runs
+    uint64_t * hist;      // PI_HIST_BINS counts of |act(gate)|, when collecting (else NULL)
 };
+
+// Adds |x| of every element of x (F32) to stat->hist. Returns a tensor to expand into
+// the graph; nothing reads it.
+struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat);
 
 // score: F32 [n_ff, T]. Result: I32 [n_ff + 1]: element 0 is the number of active
 // neurons n, elements 1..n their ids in ascending order, where a neuron is active if

@@ -78,6 +78,7 @@ struct powerinfer_context_params {
     int32_t  n_threads_batch; // prompt threads; <= 0: n_threads
     bool     flash_attn;      // use ggml's flash-attention op (llama-cpp-python's default is off)
     bool     embeddings;      // also keep the final-norm hidden states of the output rows
+    bool     collect_activations; // calibration: histogram |act(gate)| per layer (runs the dense FFN)
 };
 
 struct powerinfer_sampler_params {
@@ -204,6 +205,12 @@ POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, co
 // (n_total: neurons considered). Steps through ggml's dense matmul are not counted.
 POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il,
                                                int64_t * n_active, int64_t * n_total);
+
+// Histogram of |act(gate)| of layer il since the context was made (collect_activations):
+// n_bins log-spaced bins over [10^log10_min, 10^log10_max), the first also counting
+// smaller values. Returns the core's bin count; fills counts only if n_bins equals it.
+POWERINFER_API int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, int32_t il, uint64_t * counts,
+                                                       int32_t n_bins, float * log10_min, float * log10_max);
 
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
 POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats

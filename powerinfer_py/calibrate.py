@@ -1,0 +1,164 @@
+"""Training-free gate sparsity for SiLU/GELU models (CATS-style): from a text corpus,
+pick per layer the threshold tau on |act(gate)| that skips a target fraction of FFN
+neurons, and write a copy of the GGUF that gate mode can run:
+
+    python -m powerinfer_py.calibrate MODEL.gguf --corpus FILE [FILE...] --sparsity 0.4 --out OUT.gguf
+
+The copy holds every key and tensor of the input, plus `blk.N.ffn_down_t.weight` (the
+down projection transposed, Q8_0, so down can be sparse) and
+`powerinfer.gate_thresholds` (f32 per layer). The input file is never modified; the
+output is written to a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ._bindings import ffi, lib, last_error
+
+KEY_GATE_THRESHOLDS = "powerinfer.gate_thresholds"
+
+
+def collect_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2,
+                       chunk: int = 256, progress: bool = True):
+    """Per-layer histograms of |act(gate)| over up to n_tokens corpus tokens.
+    Returns (counts [n_layer, n_bins], log10_min, log10_max)."""
+    mp = lib.powerinfer_model_default_params()
+    mp.sparse_mode = lib.POWERINFER_SPARSE_DENSE
+    model = lib.powerinfer_model_load(os.fsencode(model_path), mp)
+    if model == ffi.NULL:
+        raise ValueError(f"cannot load {model_path}: {last_error()}")
+    cp = lib.powerinfer_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_threads = chunk, chunk, n_threads
+    cp.collect_activations = True
+    ctx = lib.powerinfer_context_new(model, cp)
+    try:
+        if ctx == ffi.NULL:
+            raise ValueError(last_error())
+        tokens: List[int] = []
+        for text in texts:
+            raw = text.encode()
+            buf = ffi.new("int32_t[]", len(raw) + 8)
+            n = lib.powerinfer_tokenize(model, raw, len(raw), buf, len(raw) + 8, True, False)
+            tokens.extend(buf[0:n])
+            if len(tokens) >= n_tokens:
+                break
+        tokens = tokens[:n_tokens]
+        if len(tokens) < chunk:
+            raise ValueError(f"the corpus has only {len(tokens)} tokens; need at least {chunk}")
+        t0 = time.time()
+        for done in range(0, len(tokens) - chunk + 1, chunk):
+            part = ffi.new("int32_t[]", tokens[done : done + chunk])
+            if lib.powerinfer_decode(ctx, part, chunk, 0, False) != 0:
+                raise RuntimeError(last_error())
+            if progress:
+                print(f"\rcalibrating: {done + chunk}/{len(tokens)} tokens, {time.time() - t0:.0f}s",
+                      end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        n_layer = lib.powerinfer_model_n_layer(model)
+        lo, hi = ffi.new("float*"), ffi.new("float*")
+        n_bins = lib.powerinfer_activation_histogram(ctx, 0, ffi.NULL, 0, lo, hi)
+        counts = np.zeros((n_layer, n_bins), dtype=np.uint64)
+        c = ffi.new("uint64_t[]", n_bins)
+        for il in range(n_layer):
+            if lib.powerinfer_activation_histogram(ctx, il, c, n_bins, lo, hi) != n_bins:
+                raise RuntimeError(last_error())
+            counts[il] = np.frombuffer(ffi.buffer(c, 8 * n_bins), dtype=np.uint64)
+        return counts, float(lo[0]), float(hi[0])
+    finally:
+        if ctx != ffi.NULL:
+            lib.powerinfer_context_free(ctx)
+        lib.powerinfer_model_free(model)
+
+
+def thresholds_for_sparsity(counts: np.ndarray, log10_min: float, log10_max: float, sparsity: float) -> np.ndarray:
+    """Per layer, the |act| value below which `sparsity` of the samples fall
+    (interpolated log-linearly inside the histogram bin)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    n_bins = counts.shape[1]
+    width = (log10_max - log10_min) / n_bins
+    taus = np.zeros(counts.shape[0], dtype=np.float32)
+    for il, row in enumerate(counts.astype(np.float64)):
+        total = row.sum()
+        if total == 0 or sparsity == 0.0:
+            continue
+        cdf = np.cumsum(row) / total
+        b = int(np.searchsorted(cdf, sparsity))
+        prev = cdf[b - 1] if b > 0 else 0.0
+        frac = (sparsity - prev) / max(cdf[b] - prev, 1e-12)
+        taus[il] = 10.0 ** (log10_min + (b + frac) * width)
+    return taus
+
+
+def write_gate_model(src: str, dst: str, taus: np.ndarray, progress: bool = True) -> None:
+    """Copies src to dst adding ffn_down_t (Q8_0, or F16 if rows do not fit Q8_0 blocks)
+    and the per-layer thresholds."""
+    import gguf
+
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        raise ValueError("the output must not be the input file")
+    reader = gguf.GGUFReader(src)
+    arch = reader.get_field("general.architecture").contents()
+    tmp = dst + ".tmp"
+    w = gguf.GGUFWriter(tmp, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", KEY_GATE_THRESHOLDS):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    w.add_array(KEY_GATE_THRESHOLDS, [float(t) for t in taus])
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))  # numpy order, in elements
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # quantized data: byte shape, converted by gguf
+        if t.name.endswith(".ffn_down.weight"):
+            down = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)  # [n_embd, n_ff]
+            down_t = np.ascontiguousarray(down.T.astype(np.float32))           # [n_ff, n_embd]
+            if down_t.shape[1] % 32 == 0:
+                q = gguf.quants.quantize(down_t, gguf.GGMLQuantizationType.Q8_0)
+                w.add_tensor(t.name.replace("ffn_down", "ffn_down_t"), q, raw_shape=q.shape,
+                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(t.name.replace("ffn_down", "ffn_down_t"), down_t.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=progress)
+    w.close()
+    os.replace(tmp, dst)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powerinfer_py.calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--corpus", nargs="+", required=True, help="text files")
+    p.add_argument("--sparsity", type=float, default=0.4, help="fraction of FFN neurons to skip per layer (default 0.4)")
+    p.add_argument("--n-tokens", type=int, default=4096, help="corpus tokens to sample (default 4096)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    try:
+        if os.path.abspath(args.out) == os.path.abspath(args.model):
+            raise ValueError("--out must differ from the input model")
+        texts = [Path(f).read_text(errors="replace") for f in args.corpus]
+        counts, lo, hi = collect_histograms(args.model, texts, args.n_tokens, args.threads)
+        taus = thresholds_for_sparsity(counts, lo, hi, args.sparsity)
+        print("per-layer thresholds: " + " ".join(f"{t:.4g}" for t in taus), file=sys.stderr)
+        write_gate_model(args.model, args.out, taus)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
