@@ -136,6 +136,43 @@ def write_gate_model(src: str, dst: str, taus: np.ndarray, progress: bool = True
     os.replace(tmp, dst)
 
 
+def evaluate(model_path: str, text: str, mode: str, n_tokens: int = 200, n_threads: int = 2):
+    """Mean next-token NLL (nats) over the first n_tokens of text, fed one token at a
+    time so the sparse path runs, and the decode speed (tokens/s) of those steps."""
+    modes = {"dense": lib.POWERINFER_SPARSE_DENSE, "gate": lib.POWERINFER_SPARSE_GATE,
+             "predictor": lib.POWERINFER_SPARSE_PREDICTOR, "auto": lib.POWERINFER_SPARSE_AUTO}
+    mp = lib.powerinfer_model_default_params()
+    mp.sparse_mode = modes[mode]
+    model = lib.powerinfer_model_load(os.fsencode(model_path), mp)
+    if model == ffi.NULL:
+        raise ValueError(last_error())
+    cp = lib.powerinfer_context_default_params()
+    cp.n_ctx, cp.n_threads = n_tokens + 8, n_threads
+    ctx = lib.powerinfer_context_new(model, cp)
+    try:
+        raw = text.encode()
+        buf = ffi.new("int32_t[]", len(raw) + 8)
+        n = lib.powerinfer_tokenize(model, raw, len(raw), buf, len(raw) + 8, True, False)
+        toks = list(buf[0 : min(n, n_tokens)])
+        n_vocab = lib.powerinfer_model_n_vocab(model)
+        one = ffi.new("int32_t[1]")
+        nll = []
+        t0 = time.perf_counter()
+        for pos, tok in enumerate(toks[:-1]):
+            one[0] = tok
+            if lib.powerinfer_decode(ctx, one, 1, pos, False) != 0:
+                raise RuntimeError(last_error())
+            logits = np.frombuffer(ffi.buffer(lib.powerinfer_get_logits_ith(ctx, -1), 4 * n_vocab), dtype=np.float32)
+            x = logits.astype(np.float64)
+            m = x.max()
+            nll.append(m + np.log(np.exp(x - m).sum()) - x[toks[pos + 1]])
+        dt = time.perf_counter() - t0
+        return float(np.mean(nll)), (len(toks) - 1) / dt
+    finally:
+        lib.powerinfer_context_free(ctx)
+        lib.powerinfer_model_free(model)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m powerinfer_py.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -144,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--n-tokens", type=int, default=4096, help="corpus tokens to sample (default 4096)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--eval", metavar="FILE", help="held-out text: print NLL and decode speed, dense vs gate")
     args = p.parse_args(argv)
     try:
         if os.path.abspath(args.out) == os.path.abspath(args.model):
@@ -153,6 +191,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         taus = thresholds_for_sparsity(counts, lo, hi, args.sparsity)
         print("per-layer thresholds: " + " ".join(f"{t:.4g}" for t in taus), file=sys.stderr)
         write_gate_model(args.model, args.out, taus)
+        if args.eval:
+            held_out = Path(args.eval).read_text(errors="replace")
+            d_nll, d_speed = evaluate(args.out, held_out, "dense", n_threads=args.threads)
+            g_nll, g_speed = evaluate(args.out, held_out, "gate", n_threads=args.threads)
+            print(f"| mode | mean NLL (nats) | decode tok/s |\n|---|---|---|\n| dense | {d_nll:.4f} | {d_speed:.2f} |\n"
+                  f"| gate {args.sparsity:.0%} | {g_nll:.4f} (+{g_nll - d_nll:.4f}) | {g_speed:.2f} ({g_speed / d_speed:.2f}x) |")
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -48,6 +48,7 @@ class SyntheticSpec:
     n_ctx: int = 2048
     seed: int = 0
     embd_const: float = 0.0  # 0: chosen so channel 0 is ~half the embedding's RMS energy
+    activation: str = "relu"  # written as powerinfer.ffn_activation
 
 
 PRESETS: Dict[str, SyntheticSpec] = {
@@ -177,7 +178,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
         w.add_layer_norm_rms_eps(1e-5)
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.wtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
                         if spec.wtype == "F16" else getattr(gguf.LlamaFileType, f"MOSTLY_{spec.wtype}"))
-        w.add_string("powerinfer.ffn_activation", "relu")
+        w.add_string("powerinfer.ffn_activation", spec.activation)
         if kind == "powerinfer":
             w.add_float32("powerinfer.sparse_threshold", 0.0)
         w.add_tokenizer_model("llama")
