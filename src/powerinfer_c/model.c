@@ -396,14 +396,14 @@ static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
             break;
         case POWERINFER_SPARSE_GATE:
             if (!gate_ok) {
-                return pi_fail(POWERINFER_ERR_UNSUPPORTED, "gate mode needs %s in every layer; this file lacks %s",
+                return pi_fail(POWERINFER_ERR_INVALID_ARG, "gate mode needs %s in every layer; this file lacks %s",
                                "ffn_gate and ffn_down_t", !gate ? "ffn_gate (non-gated FFN)" : "ffn_down_t (convert it first)");
             }
             hp->sparse_mode = want;
             break;
         case POWERINFER_SPARSE_PREDICTOR:
             if (!pred || !down_t) {
-                return pi_fail(POWERINFER_ERR_UNSUPPORTED, "predictor mode needs blk.N.fc1/fc2 and ffn_down_t in every layer; "
+                return pi_fail(POWERINFER_ERR_INVALID_ARG, "predictor mode needs blk.N.fc1/fc2 and ffn_down_t in every layer; "
                                "this file lacks %s", !pred ? "predictors" : "ffn_down_t");
             }
             hp->sparse_mode = want;
