@@ -227,7 +227,7 @@ def test_prompt_longer_than_context(smollm2_path, ref_llama):
         with pytest.raises(ValueError, match=r"^Requested tokens \(\d+\) exceed context window of \d+$"):
             ref.create_completion(LONG_PROMPT * 2, max_tokens=4)
         with pytest.raises(ValueError, match=r"exceed context window"):
-            llm.eval_logits(tokens)
+            llm.compute_logits(tokens)
 
         # Boundary: n_ctx tokens are refused, n_ctx - 1 fit (llama-cpp-python's rule).
         with pytest.raises(ValueError, match=rf"Requested tokens \({n_ctx}\)"):

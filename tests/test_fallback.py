@@ -92,3 +92,47 @@ def test_fallback_runs_on_llama_cpp(tiny_gpt2):
             assert got["usage"] == want["usage"]
         finally:
             ref.close()
+
+
+def test_fallback_serves_the_whole_api(tiny_gpt2):
+    """Every Llama method and attribute reaches the wrapped llama_cpp.Llama on the fallback."""
+    import llama_cpp
+
+    from powerinfer_py import Llama
+
+    calls = []
+
+    def chat_handler(llama, messages, **kwargs):
+        # The toy vocabulary cannot tokenize a real chat template; record the call instead.
+        calls.append((llama, messages, kwargs["grammar"]))
+        return {"object": "chat.completion"}
+
+    with Llama(tiny_gpt2, n_ctx=64, n_threads=2, verbose=False, n_parts=-1, chat_handler=chat_handler) as ours:
+        assert ours.engine == "llama-cpp-python"
+        assert isinstance(ours._fallback, llama_cpp.Llama)
+        tokens = ours.tokenize(b"a b", add_bos=True)
+        assert ours.detokenize(tokens) == b"a b"
+        assert (ours.n_vocab(), ours.token_bos(), ours.token_eos()) == (10, 1, 2)
+        assert ours.n_ctx() == ours._fallback.n_ctx()
+        assert ours.token_nl() == ours._fallback.token_nl()
+        chunks = list(ours.create_completion("a b", max_tokens=4, stream=True, **GREEDY))
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        state = ours.save_state()
+        first = ours.create_completion("a b a", max_tokens=6, temperature=0.8)
+        ours.load_state(state)
+        assert ours.create_completion("a b a", max_tokens=6, temperature=0.8)["choices"] == first["choices"]
+        assert ours.n_tokens == ours._fallback.n_tokens
+        assert ours.chat_handler is chat_handler
+        schema_format = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+        chat = ours.create_chat_completion([{"role": "user", "content": "a"}], response_format=schema_format)
+        assert chat["object"] == "chat.completion"
+        assert calls[0][0] is ours._fallback and calls[0][2] is not None  # json_schema became a grammar
+        gen = ours.generate(tokens, temp=0.0)
+        assert 0 <= next(gen) < 10
+        gen.close()
+        ours.reset()
+        assert ours.n_tokens == 0
+        assert ours.token_to_piece(7) == ours._fallback.detokenize([7])
+        ours.reset_timings()
+        ours.create_completion("a b", max_tokens=2, **GREEDY)
+        assert ours.timings()["n_eval"] >= 1

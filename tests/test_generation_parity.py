@@ -98,7 +98,7 @@ def test_nll_matches_llama_cpp(name, our_llama, ref_llama):
     ref.reset()
     ref.eval(tokens)
     ref_logits = np.array(ref.scores[: len(tokens)], dtype=np.float32)
-    our_logits = ours.eval_logits(tokens)
+    our_logits = ours.compute_logits(tokens)
     assert our_logits.shape == (len(tokens), ours.n_vocab())
     assert np.isfinite(our_logits).all()
 

@@ -290,3 +290,19 @@ def test_malformed_sparse_tensors(tiny, tmp_path):
     bad.write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="only one of blk.1.fc1.weight and blk.1.fc2.weight"):
         Engine(bad)
+
+
+def test_python_llama_runs_sparse_modes(tiny):
+    from powerinfer_py import Llama
+
+    path = tiny["tiny"]["powerinfer"]
+    texts = {}
+    for mode in ("dense", "gate", "predictor", "auto"):
+        with Llama(path, n_ctx=256, n_threads=2, verbose=False, sparse_mode=mode) as llm:
+            assert llm.sparse_mode_in_use() == ("predictor" if mode == "auto" else mode)
+            texts[mode] = llm.create_completion("the cat", max_tokens=16, temperature=0)["choices"][0]["text"]
+    assert len(set(texts.values())) == 1, texts
+    with pytest.raises(ValueError, match="ffn_down_t"):
+        Llama(tiny["tiny"]["dense"], verbose=False, sparse_mode="gate", fallback=False)
+    with pytest.raises(ValueError, match="sparse_mode"):
+        Llama(path, verbose=False, sparse_mode="fast")

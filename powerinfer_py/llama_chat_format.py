@@ -1,0 +1,8 @@
+"""llama-cpp-python's `llama_cpp.llama_chat_format`, shared as is (pure Python, engine-independent):
+`powerinfer_py.llama_chat_format` *is* that module."""
+
+import sys as _sys
+
+from . import _upstream
+
+_sys.modules[__name__] = _upstream.module("llama_chat_format")
