@@ -26,8 +26,12 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # Python deps of the project, its tests and its build (we build with --no-build-isolation
 # so the build sees the installed llama-cpp-python). llama-cpp-python is installed with
 # --no-deps; numpy, typing-extensions, diskcache and jinja2 are its runtime deps.
+# The server and langchain extras, and what their tests drive them with (httpx, the
+# official openai client, langchain-community's LlamaCpp classes), are installed too.
 DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
-      scikit-build-core cmake ninja)
+      scikit-build-core cmake ninja
+      fastapi uvicorn sse-starlette pydantic-settings httpx openai
+      langchain-core langchain-community)
 
 phase() { printf '\n==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
