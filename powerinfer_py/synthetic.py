@@ -98,10 +98,17 @@ def _fire_probabilities(spec: SyntheticSpec, rng: np.random.Generator) -> np.nda
     return rng.permutation(np.clip(q, 1e-4, 0.95))
 
 
+def _rms_norm(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 class _Layer:
     """Weights of one layer, float32, numpy row-major (ggml ne reversed)."""
 
-    def __init__(self, spec: SyntheticSpec, rng: np.random.Generator, x_samples: np.ndarray, ffn_norm: np.ndarray):
+    def __init__(self, spec: SyntheticSpec, rng: np.random.Generator, resid: np.ndarray, ffn_norm: np.ndarray):
+        """resid: sampled residual-stream rows entering this layer; updated in place to
+        the rows leaving it (attention approximated by each token attending to itself),
+        so every layer's gate biases are solved on the inputs it will actually see."""
         from statistics import NormalDist
 
         e, f, d_head = spec.n_embd, spec.n_ff, spec.n_embd // spec.n_head
@@ -115,12 +122,15 @@ class _Layer:
         self.up = (rng.standard_normal((f, e)) * s).astype(np.float32)
         self.down = (rng.standard_normal((e, f)) * s * 0.1).astype(np.float32)  # numpy [n_embd, n_ff]
         self.down[0, :] = 0.0
+        v_self = _rms_norm(resid) @ self.wv.T  # [samples, kv]: a token attending to itself
+        v_self = np.repeat(v_self.reshape(len(resid), spec.n_head_kv, d_head), spec.n_head // spec.n_head_kv, axis=1)
+        resid += v_self.reshape(len(resid), e) @ self.wo.T
         # Gate: low rank over channels 1.. plus a per-neuron bias through channel 0.
         u = rng.standard_normal((f, spec.gate_rank)).astype(np.float32)
         v = (rng.standard_normal((spec.gate_rank, e)) * s).astype(np.float32)
         v[:, 0] = 0.0
         gate = u @ v
-        xn = x_samples * ffn_norm  # normalized FFN inputs (RMSNorm output times ffn_norm)
+        xn = _rms_norm(resid) * ffn_norm  # normalized FFN inputs (RMSNorm output times ffn_norm)
         z = xn @ gate.T  # [samples, n_ff]
         sigma = z.std(axis=0) + 1e-6
         x0 = float(np.mean(xn[:, 0]))
@@ -129,6 +139,7 @@ class _Layer:
         b = np.array([nd.inv_cdf(1.0 - pi) for pi in p]) * sigma / x0
         gate[:, 0] = -b
         self.gate = gate.astype(np.float32)
+        resid += (np.maximum(xn @ self.gate.T, 0.0) * (xn @ self.up.T)) @ self.down.T
         self.p_fire = p
         # Exact predictor of sign(gate . (g * x_res)): W' = gate diag(g) = U (V diag g) + (-b)(g0 e0^T).
         a = np.concatenate([v * ffn_norm[None, :], (ffn_norm[0] * np.eye(1, e, 0)).astype(np.float32)], axis=0)
@@ -139,10 +150,6 @@ class _Layer:
         self.fc1[: 2 * a.shape[0]] = np.concatenate([a, -a], axis=0)
         self.fc2 = np.zeros((f, rank), dtype=np.float32)
         self.fc2[:, : 2 * a.shape[0]] = np.concatenate([bmat, -bmat], axis=1)
-
-
-def _rms_norm(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -> Dict[str, str]:
@@ -161,7 +168,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
     embd[:, 0] = c
     out_w = (rng.standard_normal((n_vocab, e)) / np.sqrt(e)).astype(np.float32)
     ffn_norm = np.ones(e, dtype=np.float32)
-    x_samples = _rms_norm(embd[rng.integers(0, n_vocab, size=512)])
+    resid = embd[rng.integers(0, n_vocab, size=512)].astype(np.float32)  # residual-stream samples
 
     paths = {"dense": str(out / f"{spec.name}.gguf"), "powerinfer": str(out / f"{spec.name}.powerinfer.gguf")}
     writers = {}
@@ -205,7 +212,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
     stats = {"spec": asdict(spec), "layers": []}
     t0 = time.time()
     for il in range(spec.n_layer):
-        layer = _Layer(spec, rng, x_samples, ffn_norm)
+        layer = _Layer(spec, rng, resid, ffn_norm)
         add(f"blk.{il}.attn_norm.weight", np.ones(e, dtype=np.float32), quantize=False)
         add(f"blk.{il}.attn_q.weight", layer.wq)
         add(f"blk.{il}.attn_k.weight", layer.wk)
