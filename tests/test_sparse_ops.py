@@ -76,9 +76,10 @@ def _problem(seed, n_embd=512, n_ff=384, n_tok=3, frac_active=0.15):
     return w, x, h, active
 
 
+@pytest.mark.parametrize("n_tok", [1, 3])  # one token: the fused Q4_0/Q8_0 AXPY kernels
 @pytest.mark.parametrize("wtype", TYPES)
-def test_sparse_ops_match_numpy(tmp_path, wtype):
-    w, x, h, active = _problem(seed=TYPES.index(wtype))
+def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok):
+    w, x, h, active = _problem(seed=TYPES.index(wtype), n_tok=n_tok)
     wd, up, down = _run(tmp_path, wtype, 2, w, x, h, active)
     wd64, x64, h64 = wd.astype(np.float64), x.astype(np.float64), h.astype(np.float64)
 

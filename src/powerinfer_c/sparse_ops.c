@@ -8,6 +8,9 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -156,6 +159,47 @@ static float * row_buffer(size_t n) {
     return g_row_buf;
 }
 
+// Weight blocks as ggml stores them (the layouts are ggml's file format; sizes are
+// checked against ggml_type_size before use).
+#define PI_QK 32
+struct pi_block_q4_0 { ggml_fp16_t d; uint8_t qs[PI_QK / 2]; };
+struct pi_block_q8_0 { ggml_fp16_t d; int8_t  qs[PI_QK]; };
+
+static inline float fp16_to_fp32(ggml_fp16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return ggml_fp16_to_fp32(h);
+#endif
+}
+
+// out[0, 32*n_blocks) += a * dequantized blocks, fused (decode: one token per row).
+static void axpy_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict blk, int64_t n_blocks, float a) {
+    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
+        const float d = a * fp16_to_fp32(blk[b].d);
+        const uint8_t * qs = blk[b].qs;
+        for (int j = 0; j < PI_QK / 2; ++j) {
+            out[j]              += d * (float) ((qs[j] & 0x0F) - 8);
+            out[j + PI_QK / 2]  += d * (float) ((qs[j] >> 4) - 8);
+        }
+    }
+}
+
+static void axpy_q8_0(float * restrict out, const struct pi_block_q8_0 * restrict blk, int64_t n_blocks, float a) {
+    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
+        const float d = a * fp16_to_fp32(blk[b].d);
+        for (int j = 0; j < PI_QK; ++j) {
+            out[j] += d * (float) blk[b].qs[j];
+        }
+    }
+}
+
+static void axpy_f32(float * restrict out, const float * restrict w, int64_t n, float a) {
+    for (int64_t c = 0; c < n; ++c) {
+        out[c] += a * w[c];
+    }
+}
+
 static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const struct ggml_tensor * wt  = dst->src[0];
@@ -176,6 +220,10 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     if (len == 0) {
         return;
     }
+    // Fused dequantize-and-accumulate for the common types; any other type (or a
+    // weight row shared by several tokens) is dequantized once with ggml's to_float.
+    const bool fused_q4_0 = wt->type == GGML_TYPE_Q4_0 && ggml_type_size(wt->type) == sizeof(struct pi_block_q4_0);
+    const bool fused_q8_0 = wt->type == GGML_TYPE_Q8_0 && ggml_type_size(wt->type) == sizeof(struct pi_block_q8_0);
     ggml_to_float_t to_float = wt->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(wt->type)->to_float;
     float * row = to_float ? row_buffer((size_t) len) : NULL;
     GGML_ASSERT(!to_float || row);
@@ -189,6 +237,15 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
             if (a == 0.0f) {
                 continue;  // ReLU zeros and predicted-but-silent neurons cost nothing here
             }
+            float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
+            if (n_tok == 1 && fused_q4_0) {
+                axpy_q4_0(out, (const struct pi_block_q4_0 *) src, len / PI_QK, a);
+                continue;
+            }
+            if (n_tok == 1 && fused_q8_0) {
+                axpy_q8_0(out, (const struct pi_block_q8_0 *) src, len / PI_QK, a);
+                continue;
+            }
             if (!w) {
                 if (to_float) {
                     to_float(src, row, len);
@@ -197,10 +254,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
                     w = (const float *) src;
                 }
             }
-            float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
-            for (int64_t c = 0; c < len; ++c) {
-                out[c] += a * w[c];
-            }
+            axpy_f32(out, w, len, a);
         }
     }
 }
