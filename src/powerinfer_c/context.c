@@ -15,6 +15,10 @@
 // extra cells are masked out; matching the padding keeps our sums in the same order
 // as llama.cpp's, so quantized activations round the same way and tokens agree.
 #define PI_KV_PAD          256u
+// Largest batch that takes the sparse FFN path by default: above it the union of the
+// batch's active neurons covers most of the layer and ggml's dense matmul wins
+// (measured on the 7B-shaped synthetic model, see docs/formats.md).
+#define PI_SPARSE_MAX_BATCH 4
 
 static int32_t default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -31,6 +35,7 @@ struct powerinfer_context_params powerinfer_context_default_params(void) {
         .flash_attn      = false,
         .embeddings      = false,
         .collect_activations = false,
+        .sparse_max_batch = -1,
     };
     return p;
 }
@@ -60,6 +65,7 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
+        .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
     struct pi_graph_inputs in;
@@ -103,6 +109,9 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     }
     if (params.n_threads_batch <= 0) {
         params.n_threads_batch = params.n_threads;
+    }
+    if (params.sparse_max_batch < 0) {
+        params.sparse_max_batch = PI_SPARSE_MAX_BATCH;
     }
 
     struct powerinfer_context * ctx = calloc(1, sizeof(*ctx));
@@ -237,6 +246,7 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
+        .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
     struct pi_graph_inputs in;

@@ -44,18 +44,15 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }
 
-// Largest batch that takes the sparse path; above it the union of active neurons is
-// most of the layer and ggml's dense matmul wins.
-#define PI_SPARSE_MAX_BATCH 4
-
 // x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
 // (the predictor's input). Returns [n_embd, n_tokens].
 static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
-                                      int il, struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat) {
+                                      int il, struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
+                                      int32_t sparse_max_batch) {
     const struct pi_layer * l = &model->layers[il];
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
-    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= PI_SPARSE_MAX_BATCH && !stat->hist;
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= sparse_max_batch && !stat->hist;
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
@@ -198,7 +195,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
 
         cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
-        cur = build_ffn(ctx, gf, model, il, cur, ffn_inp, &gp->sparse[il]);
+        cur = build_ffn(ctx, gf, model, il, cur, ffn_inp, &gp->sparse[il], gp->sparse_max_batch);
         inpL = ggml_add(ctx, cur, ffn_inp);
     }
 

@@ -159,6 +159,7 @@ struct pi_graph_params {
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // 1 or n_tokens
     bool    flash_attn;
+    int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
 };
 

@@ -79,6 +79,8 @@ struct powerinfer_context_params {
     bool     flash_attn;      // use ggml's flash-attention op (llama-cpp-python's default is off)
     bool     embeddings;      // also keep the final-norm hidden states of the output rows
     bool     collect_activations; // calibration: histogram |act(gate)| per layer (runs the dense FFN)
+    int32_t  sparse_max_batch; // largest batch that takes the sparse FFN path (union of active neurons);
+                               // larger batches run dense. < 0: the measured default (docs/formats.md)
 };
 
 struct powerinfer_sampler_params {
