@@ -61,7 +61,6 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
 static int32_t reserve_compute(struct powerinfer_context * ctx) {
     struct pi_graph_params gp = {
         .n_tokens   = (int32_t) ctx->params.n_batch,
-        .pos0       = 0,
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
@@ -70,6 +69,7 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
     };
     struct pi_graph_inputs in;
     struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
+    ctx->last.valid = false;  // the graph memory now holds this one
     if (!gf || !ggml_gallocr_reserve(ctx->galloc, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve compute buffers for n_batch=%u, n_ctx=%u",
                        ctx->params.n_batch, ctx->kv.size);
@@ -242,26 +242,56 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     const uint32_t pad  = GGML_PAD(used, PI_KV_PAD);
     struct pi_graph_params gp = {
         .n_tokens   = n_tokens,
-        .pos0       = pos0,
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
+    // The graph depends on the shapes only (positions and cache cells are inputs), so
+    // the previous one is reused, already allocated, while they stay the same.
     struct pi_graph_inputs in;
-    struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
-    if (!gf) {
-        return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
-    }
-    if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+    struct ggml_cgraph * gf;
+    if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs) {
+        gf = ctx->last.gf;
+        in = ctx->last.in;
+    } else {
+        ctx->last.valid = false;
+        gf = build_chunk(ctx, &gp, &in);
+        if (!gf) {
+            return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+        }
+        if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+        }
+        ctx->last.valid     = true;
+        ctx->last.n_tokens  = n_tokens;
+        ctx->last.n_kv      = gp.n_kv;
+        ctx->last.n_outputs = n_outputs;
+        ctx->last.gf        = gf;
+        ctx->last.in        = in;
     }
 
     ggml_backend_tensor_set(in.tokens, tokens, 0, (size_t) n_tokens * sizeof(int32_t));
-    int32_t rc = ensure_scratch(ctx, (size_t) n_tokens * sizeof(int32_t));
+    const int64_t n_embd_kv = ctx->kv.k[0]->ne[0];
+    int32_t rc = ensure_scratch(ctx, (size_t) n_tokens * (in.v_idxs ? n_embd_kv : 1) * sizeof(int64_t));
     if (rc != POWERINFER_OK) {
         return rc;
+    }
+    // Cache cells: token i goes to cell pos0 + i; a transposed V cache stores channel j
+    // of token i at element j * size + pos0 + i.
+    int64_t * cells = (int64_t *) ctx->scratch;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        cells[i] = pos0 + i;
+    }
+    ggml_backend_tensor_set(in.k_idxs, cells, 0, (size_t) n_tokens * sizeof(int64_t));
+    if (in.v_idxs) {
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            for (int64_t j = 0; j < n_embd_kv; ++j) {
+                cells[(size_t) i * n_embd_kv + j] = j * (int64_t) ctx->kv.size + pos0 + i;
+            }
+        }
+        ggml_backend_tensor_set(in.v_idxs, cells, 0, (size_t) n_tokens * n_embd_kv * sizeof(int64_t));
     }
     int32_t * ids = (int32_t *) ctx->scratch;
     for (int32_t i = 0; i < n_tokens; ++i) {

@@ -91,7 +91,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
 // q, k, v: [n_embd_head, n_head(_kv), n_tokens]; result: [n_embd_head*n_head, n_tokens]
 static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cgraph * gf,
                                        const struct pi_hparams * hp, const struct pi_kv_cache * kv, int il,
-                                       const struct pi_graph_params * gp, struct ggml_tensor * kq_mask,
+                                       const struct pi_graph_params * gp, const struct pi_graph_inputs * in,
                                        struct ggml_tensor * q, struct ggml_tensor * k, struct ggml_tensor * v) {
     const int64_t n_tokens  = gp->n_tokens;
     const int64_t head      = hp->n_embd_head;
@@ -99,18 +99,18 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
     struct ggml_tensor * kc = kv->k[il];
     struct ggml_tensor * vc = kv->v[il];
 
-    // Store. The copies are expanded into the graph first so they run before the reads below.
-    struct ggml_tensor * k_dst = ggml_view_2d(ctx, kc, n_embd_kv, n_tokens, kc->nb[1], (size_t) gp->pos0 * kc->nb[1]);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_embd_kv, n_tokens), k_dst));
-    struct ggml_tensor * v2 = ggml_reshape_2d(ctx, v, n_embd_kv, n_tokens);
+    // Store, through row indices rather than position offsets so the graph does not
+    // depend on the position (and can be reused). The stores are expanded into the graph
+    // first so they run before the reads below.
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, k, n_embd_kv, n_tokens), in->k_idxs));
     if (kv->v_trans) {
-        struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n_tokens, n_embd_kv, vc->nb[1],
-                                                  (size_t) gp->pos0 * ggml_element_size(vc));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v2), v_dst));
+        // Transposed V: every element is its own row; v_idxs holds channel * size + cell.
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc)),
+                                                    ggml_reshape_2d(ctx, v, 1, n_embd_kv * n_tokens), in->v_idxs));
     } else {
-        struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n_embd_kv, n_tokens, vc->nb[1], (size_t) gp->pos0 * vc->nb[1]);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, v2, v_dst));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_reshape_2d(ctx, v, n_embd_kv, n_tokens), in->k_idxs));
     }
+    struct ggml_tensor * kq_mask = in->kq_mask;
 
     const float kq_scale = 1.0f / sqrtf((float) head);
     struct ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [head, n_tokens, n_head]
@@ -154,6 +154,15 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     in->kq_mask = ggml_new_tensor_2d(ctx, gp->flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, gp->n_kv, n_tokens);
     ggml_set_name(in->kq_mask, "inp_kq_mask");
     ggml_set_input(in->kq_mask);
+    in->k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    ggml_set_name(in->k_idxs, "inp_k_idxs");
+    ggml_set_input(in->k_idxs);
+    in->v_idxs = NULL;
+    if (kv->v_trans) {
+        in->v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) hp->n_embd_head * hp->n_head_kv * n_tokens);
+        ggml_set_name(in->v_idxs, "inp_v_idxs");
+        ggml_set_input(in->v_idxs);
+    }
     in->out_ids = NULL;
     if (gp->n_outputs < n_tokens) {
         in->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, gp->n_outputs);
@@ -184,7 +193,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = ggml_rope_ext(ctx, k, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
                           hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
 
-        cur = build_attn(ctx, gf, hp, kv, il, gp, in->kq_mask, q, k, v);
+        cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = ggml_mul_mat(ctx, l->wo, cur);
 
         if (il == hp->n_layer - 1 && in->out_ids) {

@@ -149,13 +149,14 @@ struct pi_graph_inputs {
     struct ggml_tensor * pos;      // I32 [n_tokens]
     struct ggml_tensor * kq_mask;  // F32/F16 [n_kv, n_tokens]
     struct ggml_tensor * out_ids;  // I32 [n_outputs], NULL when every row is an output
+    struct ggml_tensor * k_idxs;   // I64 [n_tokens]: cache cell of each token
+    struct ggml_tensor * v_idxs;   // I64 [n_embd_kv * n_tokens] (transposed V: one index per element), else NULL
     struct ggml_tensor * logits;   // F32 [n_vocab, n_outputs]
     struct ggml_tensor * embd;     // F32 [n_embd, n_outputs], final-norm hidden states
 };
 
 struct pi_graph_params {
     int32_t n_tokens;
-    int32_t pos0;       // position of the first token
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // 1 or n_tokens
     bool    flash_attn;
@@ -186,6 +187,15 @@ struct powerinfer_context {
 
     struct powerinfer_timings timings;
     struct pi_active_stat *   sparse;          // per layer
+
+    // The last graph built; reused while the shapes stay the same (single-token decode
+    // steps within one 256-cell span of the cache), which skips building and allocating.
+    struct {
+        bool                   valid;
+        int32_t                n_tokens, n_kv, n_outputs;
+        struct ggml_cgraph *   gf;
+        struct pi_graph_inputs in;
+    } last;
 };
 
 // Makes room for `rows` rows of logits (and embeddings, when enabled).
