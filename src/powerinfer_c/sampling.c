@@ -38,9 +38,10 @@ struct powerinfer_sampler_params powerinfer_sampler_default_params(void) {
 
 static int32_t check_params(const struct powerinfer_sampler_params * p) {
     if (!isfinite(p->temp)) return pi_fail(POWERINFER_ERR_INVALID_ARG, "temperature must be finite");
-    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f) && !(p->top_p > 1.0f && isfinite(p->top_p)))
+    // Values past the useful range (top_p > 1, min_p < 0) mean "disabled", as in llama.cpp.
+    if (!(isfinite(p->top_p) && p->top_p >= 0.0f))
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "top_p = %g must be in [0, 1]", p->top_p);
-    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f) && !(p->min_p < 0.0f && isfinite(p->min_p)))
+    if (!(isfinite(p->min_p) && p->min_p <= 1.0f))
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "min_p = %g must be in [0, 1]", p->min_p);
     if (!isfinite(p->typical_p) || p->typical_p < 0.0f)
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "typical_p = %g must be in [0, 1]", p->typical_p);

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,10 +64,15 @@ static void usage(FILE * out, const char * argv0) {
         argv0);
 }
 
-static int fail(const char * fmt, const char * a, const char * b) {
+static int fail(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static int fail(const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "error: ");
-    fprintf(stderr, fmt, a, b);
+    vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
+    va_end(ap);
     return 1;
 }
 
@@ -113,11 +119,11 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers") ||
             IS("--sparse-mode") || IS("--sparse-threshold");
         if (!takes_value) {
-            return fail("unknown argument '%s'%s (see --help)", arg, "");
+            return fail("unknown argument '%s' (see --help)", arg);
         }
         const char * val = NEXT();
         if (!val) {
-            return fail("argument '%s' needs a value%s", arg, "");
+            return fail("argument '%s' needs a value", arg);
         }
         bool ok = true;
         if      (IS("-m") || IS("--model"))           a->model = val;
@@ -158,10 +164,10 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
 #undef NEXT
     }
     if (!a->model) {
-        return fail("no model given: use -m MODEL.gguf%s%s (see --help)", "", "");
+        return fail("no model given: use -m MODEL.gguf (see --help)");
     }
     if (a->prompt && a->prompt_file) {
-        return fail("use either -p or -f, not both%s%s", "", "");
+        return fail("use either -p or -f, not both");
     }
     return 0;
 }
