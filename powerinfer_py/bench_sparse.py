@@ -21,7 +21,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -38,7 +37,9 @@ RUNS = [  # (label, engine, file kind, mode)
 
 
 def _default_paths() -> Dict[str, str]:
-    cache = Path(os.environ.get("POWERINFER_CACHE", Path.home() / ".cache" / "powerinfer-py")) / "synthetic"
+    from .models import cache_dir
+
+    cache = cache_dir() / "synthetic"
     return {"dense": str(cache / "relu-7b-shaped.gguf"), "powerinfer": str(cache / "relu-7b-shaped.powerinfer.gguf")}
 
 
