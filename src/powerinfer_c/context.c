@@ -67,7 +67,7 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
-    struct pi_graph_inputs in;
+    struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
     struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
     ctx->last.valid = false;  // the graph memory now holds this one
     if (!gf || !ggml_gallocr_reserve(ctx->galloc, gf)) {
@@ -163,7 +163,57 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
         free(ctx->sparse[il].hist);
     }
     free(ctx->sparse);
+    free(ctx->capture.x);
+    free(ctx->capture.act);
+    free(ctx->capture.tx);
+    free(ctx->capture.tact);
     free(ctx);
+}
+
+int32_t powerinfer_set_ffn_capture(struct powerinfer_context * ctx, bool enable) {
+    pi_clear_error();
+    if (!ctx) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_set_ffn_capture: context is NULL");
+    }
+    const struct pi_hparams * hp = &ctx->model->hp;
+    if (enable && !ctx->capture.x) {
+        const size_t nb = ctx->params.n_batch;
+        ctx->capture.x    = malloc((size_t) hp->n_layer * nb * hp->n_embd * sizeof(float));
+        ctx->capture.act  = malloc((size_t) hp->n_layer * nb * hp->n_ff * sizeof(float));
+        ctx->capture.tx   = calloc((size_t) hp->n_layer, sizeof(struct ggml_tensor *));
+        ctx->capture.tact = calloc((size_t) hp->n_layer, sizeof(struct ggml_tensor *));
+        if (!ctx->capture.x || !ctx->capture.act || !ctx->capture.tx || !ctx->capture.tact) {
+            free(ctx->capture.x);   free(ctx->capture.act);
+            free(ctx->capture.tx);  free(ctx->capture.tact);
+            memset(&ctx->capture, 0, sizeof(ctx->capture));
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the FFN capture buffers (%d layers x %u tokens)",
+                           hp->n_layer, ctx->params.n_batch);
+        }
+    }
+    if (ctx->capture.enabled != enable) {
+        ctx->last.valid = false;  // the graph changes
+    }
+    ctx->capture.enabled  = enable;
+    ctx->capture.n_tokens = 0;
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_get_ffn_capture(struct powerinfer_context * ctx, int32_t il, const float ** x_res, const float ** act) {
+    pi_clear_error();
+    if (!ctx || !x_res || !act) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_get_ffn_capture: NULL argument");
+    }
+    const struct pi_hparams * hp = &ctx->model->hp;
+    if (il < 0 || il >= hp->n_layer) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d is out of range [0, %d)", il, hp->n_layer);
+    }
+    if (!ctx->capture.enabled || ctx->capture.n_tokens == 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "nothing captured: enable powerinfer_set_ffn_capture, then decode");
+    }
+    const size_t nb = ctx->params.n_batch;
+    *x_res = ctx->capture.x + (size_t) il * nb * hp->n_embd;
+    *act   = ctx->capture.act + (size_t) il * nb * hp->n_ff;
+    return ctx->capture.n_tokens;
 }
 
 uint32_t powerinfer_n_ctx(const struct powerinfer_context * ctx)   { return ctx->kv.size; }
@@ -247,10 +297,11 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
         .flash_attn = ctx->params.flash_attn,
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
+        .capture    = ctx->capture.enabled,
     };
     // The graph depends on the shapes only (positions and cache cells are inputs), so
     // the previous one is reused, already allocated, while they stay the same.
-    struct pi_graph_inputs in;
+    struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
     struct ggml_cgraph * gf;
     if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs) {
         gf = ctx->last.gf;
@@ -319,6 +370,17 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     }
     if (out_embd) {
         ggml_backend_tensor_get(in.embd, out_embd, 0, (size_t) n_outputs * ctx->model->hp.n_embd * sizeof(float));
+    }
+    if (gp.capture) {
+        const struct pi_hparams * hp = &ctx->model->hp;
+        const size_t nb = ctx->params.n_batch;
+        for (int32_t il = 0; il < hp->n_layer; ++il) {
+            ggml_backend_tensor_get(in.cap_x[il], ctx->capture.x + (size_t) il * nb * hp->n_embd, 0,
+                                    (size_t) n_tokens * hp->n_embd * sizeof(float));
+            ggml_backend_tensor_get(in.cap_act[il], ctx->capture.act + (size_t) il * nb * hp->n_ff, 0,
+                                    (size_t) n_tokens * hp->n_ff * sizeof(float));
+        }
+        ctx->capture.n_tokens = n_tokens;
     }
     return POWERINFER_OK;
 }

@@ -48,11 +48,11 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
 // (the predictor's input). Returns [n_embd, n_tokens].
 static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
                                       int il, struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
-                                      int32_t sparse_max_batch) {
+                                      const struct pi_graph_params * gp, struct pi_graph_inputs * in) {
     const struct pi_layer * l = &model->layers[il];
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
-    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= sparse_max_batch && !stat->hist;
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture;
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
@@ -78,6 +78,15 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     }
     struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
     struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
+    if (gp->capture) {
+        // Profiling: keep x_res and act(gate) (act(up) without a gate) for the host.
+        struct ggml_tensor * a = build_act(ctx, act, gate ? gate : up);
+        ggml_set_output(x_res);
+        ggml_set_output(a);
+        in->cap_x[il]   = x_res;
+        in->cap_act[il] = a;
+        return build_down(ctx, l, gate ? ggml_mul(ctx, a, up) : a, stat);
+    }
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
@@ -196,7 +205,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = ggml_mul_mat(ctx, l->wo, cur);
 
-        if (il == hp->n_layer - 1 && in->out_ids) {
+        if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
             // Only the output rows need the last FFN and the LM head.
             cur   = ggml_get_rows(ctx, cur, in->out_ids);
             inpSA = ggml_get_rows(ctx, inpSA, in->out_ids);
@@ -204,10 +213,14 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
 
         cur = build_norm(ctx, ffn_inp, l->ffn_norm, hp->norm_rms_eps);
-        cur = build_ffn(ctx, gf, model, il, cur, ffn_inp, &gp->sparse[il], gp->sparse_max_batch);
+        cur = build_ffn(ctx, gf, model, il, cur, ffn_inp, &gp->sparse[il], gp, in);
         inpL = ggml_add(ctx, cur, ffn_inp);
     }
 
+    if (gp->capture && in->out_ids) {
+        // Capturing keeps every row through the last FFN; select the outputs here instead.
+        inpL = ggml_get_rows(ctx, inpL, in->out_ids);
+    }
     struct ggml_tensor * cur = build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
     in->embd = cur;
     ggml_set_name(in->embd, "result_norm");

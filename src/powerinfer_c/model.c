@@ -317,6 +317,8 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
 // PowerInfer's key: the predictor threshold, overridden by the environment variable.
 #define PI_KEY_SPARSE_THRESHOLD "powerinfer.sparse_threshold"
 #define PI_ENV_SPARSE_THRESHOLD "LLAMA_SPARSE_PRED_THRESHOLD"
+// Ours: per-layer predictor thresholds (written by train-predictor), over the global one.
+#define PI_KEY_SPARSE_THRESHOLDS "powerinfer.sparse_thresholds"
 
 const char * powerinfer_sparse_mode_name(int32_t mode) {
     switch (mode) {
@@ -328,43 +330,53 @@ const char * powerinfer_sparse_mode_name(int32_t mode) {
     }
 }
 
+// Reads an optional f32[n_layer] array of thresholds (finite; >= 0 unless allow_negative)
+// into the layers. Absent: leaves them as they are.
+static int32_t read_layer_thresholds(struct powerinfer_model * model, const char * key, bool allow_negative) {
+    const struct pi_hparams * hp = &model->hp;
+    const int64_t id = find_key(model, key);
+    if (id < 0) {
+        return POWERINFER_OK;
+    }
+    if (gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(model->gguf, id) != GGUF_TYPE_FLOAT32 ||
+        gguf_get_arr_n(model->gguf, id) != (size_t) hp->n_layer) {
+        return pi_fail(POWERINFER_ERR_FORMAT, "%s must be an array of %d float32", key, hp->n_layer);
+    }
+    const float * v = gguf_get_arr_data(model->gguf, id);
+    for (int32_t il = 0; il < hp->n_layer; ++il) {
+        if (!isfinite(v[il]) || (!allow_negative && v[il] < 0.0f)) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "%s[%d] = %g is not a valid threshold", key, il, v[il]);
+        }
+        model->layers[il].sparse_tau = v[il];
+    }
+    return POWERINFER_OK;
+}
+
+// Predictor mode, lowest to highest precedence: powerinfer.sparse_threshold, our
+// per-layer powerinfer.sparse_thresholds, the environment variable, the parameter.
+// Gate mode: powerinfer.gate_thresholds, then the parameter.
 static int32_t resolve_thresholds(struct powerinfer_model * model) {
     const struct pi_hparams * hp = &model->hp;
     float tau = 0.0f;
     int32_t rc;
-    if (hp->sparse_mode == POWERINFER_SPARSE_PREDICTOR) {
-        if ((rc = get_float(model, PI_KEY_SPARSE_THRESHOLD, &tau)) < 0) {
-            return rc;
-        }
-        if (!isnan(model->params.sparse_threshold)) {
-            tau = model->params.sparse_threshold;
-        }
-        const char * env = getenv(PI_ENV_SPARSE_THRESHOLD);
-        if (env && *env) {
-            char * end;
-            float v = strtof(env, &end);
-            if (*end || !isfinite(v)) {
-                return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s='%s' is not a number", PI_ENV_SPARSE_THRESHOLD, env);
-            }
-            tau = v;
-        }
-        for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = tau;
-        return POWERINFER_OK;
+    const bool pred = hp->sparse_mode == POWERINFER_SPARSE_PREDICTOR;
+    if (pred && (rc = get_float(model, PI_KEY_SPARSE_THRESHOLD, &tau)) < 0) {
+        return rc;
     }
-    const int64_t id = find_key(model, PI_KEY_GATE_THRESHOLDS);
-    for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = 0.0f;
-    if (id >= 0) {
-        if (gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(model->gguf, id) != GGUF_TYPE_FLOAT32 ||
-            gguf_get_arr_n(model->gguf, id) != (size_t) hp->n_layer) {
-            return pi_fail(POWERINFER_ERR_FORMAT, "%s must be an array of %d float32", PI_KEY_GATE_THRESHOLDS, hp->n_layer);
+    for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = tau;
+    rc = pred ? read_layer_thresholds(model, PI_KEY_SPARSE_THRESHOLDS, true)
+              : read_layer_thresholds(model, PI_KEY_GATE_THRESHOLDS, false);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const char * env = pred ? getenv(PI_ENV_SPARSE_THRESHOLD) : NULL;
+    if (env && *env) {
+        char * end;
+        float v = strtof(env, &end);
+        if (*end || !isfinite(v)) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s='%s' is not a number", PI_ENV_SPARSE_THRESHOLD, env);
         }
-        const float * v = gguf_get_arr_data(model->gguf, id);
-        for (int32_t il = 0; il < hp->n_layer; ++il) {
-            if (!isfinite(v[il]) || v[il] < 0.0f) {
-                return pi_fail(POWERINFER_ERR_FORMAT, "%s[%d] = %g is not a threshold >= 0", PI_KEY_GATE_THRESHOLDS, il, v[il]);
-            }
-            model->layers[il].sparse_tau = v[il];
-        }
+        for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = v;
     }
     if (!isnan(model->params.sparse_threshold)) {
         for (int32_t il = 0; il < hp->n_layer; ++il) model->layers[il].sparse_tau = model->params.sparse_threshold;

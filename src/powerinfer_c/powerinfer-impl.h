@@ -153,6 +153,9 @@ struct pi_graph_inputs {
     struct ggml_tensor * v_idxs;   // I64 [n_embd_kv * n_tokens] (transposed V: one index per element), else NULL
     struct ggml_tensor * logits;   // F32 [n_vocab, n_outputs]
     struct ggml_tensor * embd;     // F32 [n_embd, n_outputs], final-norm hidden states
+    // FFN capture (profiling), per layer, when pi_graph_params.capture: filled by the builder
+    struct ggml_tensor ** cap_x;   // [n_layer] F32 [n_embd, n_tokens]: residual stream before ffn_norm
+    struct ggml_tensor ** cap_act; // [n_layer] F32 [n_ff, n_tokens]: act(gate), or act(up) without a gate
 };
 
 struct pi_graph_params {
@@ -162,6 +165,7 @@ struct pi_graph_params {
     bool    flash_attn;
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
+    bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
 };
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
@@ -187,6 +191,17 @@ struct powerinfer_context {
 
     struct powerinfer_timings timings;
     struct pi_active_stat *   sparse;          // per layer
+
+    // FFN capture for the profiler (powerinfer_set_ffn_capture): host copies of the
+    // last chunk's per-layer tensors.
+    struct {
+        bool                  enabled;
+        int32_t               n_tokens;
+        float *               x;      // [n_layer][n_batch][n_embd]
+        float *               act;    // [n_layer][n_batch][n_ff]
+        struct ggml_tensor ** tx;     // [n_layer] graph tensors of the last build
+        struct ggml_tensor ** tact;
+    } capture;
 
     // The last graph built; reused while the shapes stay the same (single-token decode
     // steps within one 256-cell span of the cache), which skips building and allocating.

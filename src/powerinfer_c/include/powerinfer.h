@@ -214,6 +214,15 @@ POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context *
 POWERINFER_API int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, int32_t il, uint64_t * counts,
                                                        int32_t n_bins, float * log10_min, float * log10_max);
 
+// Profiling: while enabled, decodes run the dense FFN and keep, for every layer, the
+// FFN input and activation of the last chunk computed (a chunk is at most n_batch tokens).
+POWERINFER_API int32_t powerinfer_set_ffn_capture(struct powerinfer_context * ctx, bool enable);
+// Returns the number of tokens T of the last chunk (or a negative status) and points
+// x_res at T x n_embd floats (token-major: the residual stream before ffn_norm, the
+// predictor's input) and act at T x n_ff floats (act(gate); act(up) for FFNs without a
+// gate). Valid until the next decode.
+POWERINFER_API int32_t powerinfer_get_ffn_capture(struct powerinfer_context * ctx, int32_t il,
+                                                  const float ** x_res, const float ** act);
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
 POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
 
