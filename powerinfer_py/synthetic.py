@@ -31,6 +31,7 @@ from typing import Dict, Optional
 import numpy as np
 
 PWRI_MAGIC = b"PWRI"
+STATS_TOKENS = 10000  # nominal token count of the planted activation counts
 
 
 @dataclass
@@ -188,6 +189,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
         w.add_string("powerinfer.ffn_activation", spec.activation)
         if kind == "powerinfer":
             w.add_float32("powerinfer.sparse_threshold", 0.0)
+            w.add_uint64("powerinfer.stats.n_tokens", STATS_TOKENS)
         w.add_tokenizer_model("llama")
         w.add_token_list(tokens)
         w.add_token_scores(scores)
@@ -225,6 +227,10 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
         add(f"blk.{il}.ffn_down_t.weight", np.ascontiguousarray(layer.down.T), kinds=("powerinfer",))
         add(f"blk.{il}.fc1.weight", layer.fc1, kinds=("powerinfer",))
         add(f"blk.{il}.fc2.weight", layer.fc2, kinds=("powerinfer",))
+        # Expected activation counts over STATS_TOKENS tokens (the planted firing
+        # probabilities), as `powerinfer profile` would record them: hybrid placement input.
+        add(f"blk.{il}.ffn_act_count", (layer.p_fire * STATS_TOKENS).astype(np.float32), kinds=("powerinfer",),
+            quantize=False)
         stats["layers"].append({"planted_active_frac": float(layer.p_fire.mean()),
                                 "predictor_rank": int(layer.fc1.shape[0])})
         if progress:

@@ -58,6 +58,21 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
     return gf;
 }
 
+// The largest graph of this context: n_batch tokens over the whole cache.
+struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * ctx) {
+    struct pi_graph_params gp = {
+        .n_tokens   = (int32_t) ctx->params.n_batch,
+        .n_kv       = (int32_t) ctx->kv.size,
+        .n_outputs  = (int32_t) ctx->params.n_batch,
+        .flash_attn = ctx->params.flash_attn,
+        .sparse_max_batch = ctx->params.sparse_max_batch,
+        .sparse     = ctx->sparse,
+    };
+    struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
+    ctx->last.valid = false;  // the graph memory now holds this one
+    return build_chunk(ctx, &gp, &in);
+}
+
 static int32_t reserve_compute(struct powerinfer_context * ctx) {
     struct pi_graph_params gp = {
         .n_tokens   = (int32_t) ctx->params.n_batch,
@@ -139,10 +154,15 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         powerinfer_context_free(ctx);
         return NULL;
     }
-    if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, !params.flash_attn) != POWERINFER_OK ||
-        reserve_compute(ctx) != POWERINFER_OK) {
+    if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, !params.flash_attn, NULL) != POWERINFER_OK ||
+        reserve_compute(ctx) != POWERINFER_OK || pi_split_place(ctx) != POWERINFER_OK) {
         powerinfer_context_free(ctx);
         return NULL;
+    }
+    if (ctx->sched && ctx->galloc) {
+        // The scheduler allocates from here on.
+        ggml_gallocr_free(ctx->galloc);
+        ctx->galloc = NULL;
     }
     ctx->timings.t_load_ms = model->t_load_ms;
     return ctx;
@@ -153,6 +173,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
         return;
     }
     pi_kv_cache_free(&ctx->kv);
+    if (ctx->sched)   ggml_backend_sched_free(ctx->sched);
     if (ctx->galloc)  ggml_gallocr_free(ctx->galloc);
     if (ctx->backend) ggml_backend_free(ctx->backend);
     free(ctx->graph_buf);
@@ -303,7 +324,17 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     // the previous one is reused, already allocated, while they stay the same.
     struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
     struct ggml_cgraph * gf;
-    if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs) {
+    if (ctx->sched) {
+        // Hybrid placement: the scheduler splits the graph between the device and the CPU.
+        ggml_backend_sched_reset(ctx->sched);
+        gf = build_chunk(ctx, &gp, &in);
+        if (!gf) {
+            return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+        }
+        if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+        }
+    } else if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs) {
         gf = ctx->last.gf;
         in = ctx->last.in;
     } else {
@@ -361,7 +392,8 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     }
 
     ggml_backend_cpu_set_n_threads(ctx->backend, n_tokens > 1 ? ctx->params.n_threads_batch : ctx->params.n_threads);
-    enum ggml_status st = ggml_backend_graph_compute(ctx->backend, gf);
+    enum ggml_status st = ctx->sched ? ggml_backend_sched_graph_compute(ctx->sched, gf)
+                                     : ggml_backend_graph_compute(ctx->backend, gf);
     if (st != GGML_STATUS_SUCCESS) {
         return pi_fail(POWERINFER_ERR_INTERNAL, "graph computation failed (ggml status %d)", (int) st);
     }

@@ -44,6 +44,10 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }
 
+static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
+                                            struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
+                                            bool sparse);
+
 // x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
 // (the predictor's input). Returns [n_embd, n_tokens].
 static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
@@ -53,6 +57,10 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
     const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture;
+
+    if (model->split.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {
+        return build_ffn_split(ctx, model, il, x, x_res, stat, sparse);
+    }
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
@@ -94,6 +102,71 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         return build_down(ctx, l, ggml_mul(ctx, a, up), stat);
     }
     return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
+}
+
+// Hybrid FFN (split.c): the device computes its compact hot rows densely through down,
+// the CPU runs the sparse operators on the other neurons, and the two [n_embd, T]
+// partial outputs are added. The device applies the same activity test as the CPU
+// (predictor logit or |act(gate)| above tau) when the batch is small enough to be
+// sparse, so the result does not depend on where a neuron lives.
+static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
+                                            struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
+                                            bool sparse) {
+    const struct pi_layer *       l  = &model->layers[il];
+    const struct pi_split_layer * sl = &model->split.layers[il];
+    const enum pi_ffn_act act  = model->hp.ffn_act;
+    const bool            pred = model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR;
+    const int64_t         n_ff = model->hp.n_ff;
+    const float           tau  = stat->threshold;
+
+    struct ggml_tensor * pre = pred ? ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)) : NULL;  // [r, T]
+
+    // Device side.
+    struct ggml_tensor * out_dev = NULL;
+    {
+        struct ggml_tensor * up = ggml_mul_mat(ctx, sl->up, x);                            // [n_pad, T]
+        struct ggml_tensor * a  = sl->gate ? build_act(ctx, act, ggml_mul_mat(ctx, sl->gate, x)) : NULL;
+        struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up) : build_act(ctx, act, up);
+        if (sparse) {
+            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, sl->fc2, pre)
+                                              : (act == PI_ACT_RELU ? a : ggml_abs(ctx, a));
+            // step(score - tau): 1 where the neuron is active, else 0
+            h = ggml_mul(ctx, h, ggml_step(ctx, ggml_scale_bias(ctx, score, 1.0f, -tau)));
+        }
+        out_dev = ggml_mul_mat(ctx, sl->down, h);                                          // [n_embd, T]
+    }
+    if (sl->n_hot == n_ff) {
+        return out_dev;
+    }
+
+    // CPU side: the sparse operators over the neurons the device does not hold.
+    struct ggml_tensor * idx, * a = NULL;
+    if (!pred) {
+        a = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));  // dense gate (gate mode)
+    }
+    if (!sparse) {
+        idx = pi_cold_index(ctx, a ? a : x, n_ff, stat);
+    } else if (pred) {
+        idx = pi_active_index(ctx, ggml_mul_mat(ctx, l->fc2, pre), stat);
+    } else {
+        idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), stat);
+    }
+    struct ggml_tensor * xq = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
+    struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
+    struct ggml_tensor * h;
+    if (a) {
+        h = ggml_mul(ctx, a, up);
+    } else {
+        struct ggml_tensor * gate = NULL;
+        if (l->ffn_gate) {
+            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
+                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
+            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
+        }
+        h = build_glu(ctx, act, gate, up);
+    }
+    struct ggml_tensor * out_cpu = pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+    return ggml_add(ctx, out_cpu, out_dev);
 }
 
 // Writes this batch's K and V into the cache and attends over cells [0, n_kv).

@@ -6,7 +6,8 @@
 
 #include <string.h>
 
-int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans) {
+int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans,
+                         ggml_backend_buffer_type_t buft) {
     memset(kv, 0, sizeof(*kv));
     const struct pi_hparams * hp = &model->hp;
     const int64_t n_embd_kv = (int64_t) hp->n_embd_head * hp->n_head_kv;
@@ -27,7 +28,7 @@ int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model 
         ggml_format_name(kv->k[il], "cache_k_l%d", il);
         ggml_format_name(kv->v[il], "cache_v_l%d", il);
     }
-    kv->buf = ggml_backend_alloc_ctx_tensors_from_buft(kv->ctx, ggml_backend_cpu_buffer_type());
+    kv->buf = ggml_backend_alloc_ctx_tensors_from_buft(kv->ctx, buft ? buft : ggml_backend_cpu_buffer_type());
     if (!kv->buf) {
         ggml_free(kv->ctx);
         kv->ctx = NULL;

@@ -478,6 +478,8 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .vocab_only      = false,
         .sparse_mode     = POWERINFER_SPARSE_AUTO,
         .sparse_threshold = NAN,
+        .emulate_device  = false,
+        .reset_gpu_index = false,
     };
     return p;
 }
@@ -525,6 +527,8 @@ void powerinfer_model_free(struct powerinfer_model * model) {
         return;
     }
     pi_vocab_free(model);
+    pi_split_free(model);
+    free(model->act_counts);
     pi_repack_free(model);
     pi_model_unload_file(model);
     free(model->path);

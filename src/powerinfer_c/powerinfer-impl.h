@@ -71,6 +71,39 @@ struct pi_layer {
     float                sparse_tau;       // activation threshold (gate or predictor mode)
 };
 
+// FFN neurons of one layer on the device: compact copies of their rows, and the
+// mask the CPU side uses to skip them.
+struct pi_split_layer {
+    int32_t              n_hot;   // neurons on the device
+    int32_t              n_pad;   // compact rows (n_hot rounded up to PI_SPLIT_GROUP; padding rows are 0)
+    uint8_t *            is_hot;  // [n_ff], 1 = on the device (PowerInfer's gpu_idx); NULL when n_hot == 0
+    struct ggml_tensor * up, * gate; // [n_embd, n_pad], the weights' own type
+    struct ggml_tensor * down;    // [n_pad, n_embd]: columns of the down projection (float types kept, else Q8_0)
+    struct ggml_tensor * fc2;     // [r, n_pad] predictor rows of the hot neurons (predictor mode)
+};
+
+#define PI_SPLIT_GROUP 32  // device rows are placed in groups of this many neurons (Q8_0 block of the down copy)
+
+// Hybrid placement (split.c): what lives on the device and what it costs. Made by the
+// first context of a model that has a budget and a device (or the CPU emulation).
+struct pi_split {
+    bool                       decided;     // placement was attempted (by the model's first context)
+    bool                       active;      // something is on the device: contexts run through the scheduler
+    bool                       emulated;    // the "device" is a CPU buffer (tests, machines without a GPU)
+    bool                       from_cache;  // the FFN placement came from the gpuidx file
+    char                       device[128];
+    ggml_backend_t             backend;     // the device's backend (NULL when emulated)
+    ggml_backend_buffer_type_t buft;        // where device tensors live
+    uint64_t                   budget;
+    uint64_t                   bytes_dense, bytes_kv, bytes_compute, bytes_ffn;
+    int32_t                    n_layers_attn; // layers whose attention weights are on the device
+    struct ggml_context *      ctx_dense;   // copies of attention/predictor/norm/output weights
+    ggml_backend_buffer_t      buf_dense;
+    struct ggml_context *      ctx_ffn;     // compact hot rows
+    ggml_backend_buffer_t      buf_ffn;
+    struct pi_split_layer      layers[PI_MAX_LAYERS];
+};
+
 // A read-only mapping of the whole model file.
 struct pi_mapping {
     void *   addr;
@@ -100,6 +133,9 @@ struct powerinfer_model {
     struct ggml_tensor * output_norm;
     struct ggml_tensor * output;    // == tok_embd when the output is tied
     struct pi_layer      layers[PI_MAX_LAYERS];
+
+    struct pi_split      split;
+    float *              act_counts; // [n_layer][n_ff] set through powerinfer_model_set_act_counts, else NULL
 
     // vocabulary (libllama, vocab-only)
     struct llama_model *       llm_vocab_model;
@@ -140,7 +176,9 @@ struct pi_kv_cache {
     bool                  v_trans;
 };
 
-int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans);
+// buft: where the cache lives (NULL: host memory).
+int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans,
+                         ggml_backend_buffer_type_t buft);
 void    pi_kv_cache_free(struct pi_kv_cache * kv);
 
 // ---- graph.c ----
@@ -172,6 +210,21 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
                                     const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
                                     struct pi_graph_inputs * in);
 
+// ---- placement.c ----
+bool    pi_model_act_counts(const struct powerinfer_model * model, int32_t il, float * out);
+int32_t pi_gpuidx_write(const struct powerinfer_model * model, const char * path, uint64_t capacity,
+                        const uint8_t * const * is_hot);
+int32_t pi_gpuidx_read(const struct powerinfer_model * model, const char * path, uint64_t * capacity, uint8_t ** is_hot);
+
+// ---- split.c ----
+struct powerinfer_context;
+// Decides and performs the placement for the model's first context (no-op when there is
+// no budget or no device). May re-create ctx->kv on the device.
+int32_t pi_split_place(struct powerinfer_context * ctx);
+void    pi_split_free(struct powerinfer_model * model);
+// Drops mapped pages wholly inside [addr, addr + size) from the resident set (repack.c).
+void    pi_release_mapped_range(const void * addr, size_t size);
+
 struct powerinfer_context {
     struct powerinfer_model *        model;
     struct powerinfer_context_params params;
@@ -202,6 +255,9 @@ struct powerinfer_context {
         struct ggml_tensor ** tx;     // [n_layer] graph tensors of the last build
         struct ggml_tensor ** tact;
     } capture;
+
+    // Hybrid placement: the scheduler over [device, CPU] (or [CPU] when emulated).
+    ggml_backend_sched_t sched;
 
     // The last graph built; reused while the shapes stay the same (single-token decode
     // steps within one 256-cell span of the cache), which skips building and allocating.

@@ -48,7 +48,7 @@ static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_typ
 }
 
 // Drops the mapped pages lying wholly inside [addr, addr + size) from the resident set.
-static void release_mapped_range(const void * addr, size_t size) {
+void pi_release_mapped_range(const void * addr, size_t size) {
     const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
     const uintptr_t begin = ((uintptr_t) addr + page - 1) & ~(page - 1);
     const uintptr_t end   = ((uintptr_t) addr + size) & ~(page - 1);
@@ -109,7 +109,7 @@ int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor **
         size_t bytes = 0;
         for (int32_t j = 0; j < n; ++j) {
             ggml_backend_tensor_set(dst[j], src[j]->data, 0, ggml_nbytes(src[j]));  // repacks
-            release_mapped_range(src[j]->data, ggml_nbytes(src[j]));
+            pi_release_mapped_range(src[j]->data, ggml_nbytes(src[j]));
             *weights[slot[j]] = dst[j];
             bytes += ggml_nbytes(src[j]);
         }

@@ -26,19 +26,46 @@ static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const float threshold = stat->threshold;
     const int64_t n_ff = score->ne[0], n_tok = score->ne[1];
     int32_t * out = (int32_t *) dst->data;
-    int32_t n = 0;
+    const uint8_t * skip = stat->skip;
+    int32_t n = 0, n_skipped = 0;
     for (int64_t i = 0; i < n_ff; ++i) {
         for (int64_t t = 0; t < n_tok; ++t) {
             const float s = *(const float *) ((const char *) score->data + i * score->nb[0] + t * score->nb[1]);
             if (s > threshold) {
-                out[1 + n++] = (int32_t) i;
+                if (skip && skip[i]) {
+                    ++n_skipped;
+                } else {
+                    out[1 + n++] = (int32_t) i;
+                }
                 break;
             }
         }
     }
     out[0] = n;
-    stat->n_active += n;
+    stat->n_active += n + n_skipped;
     stat->n_total  += n_ff;
+}
+
+static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const struct pi_active_stat * stat = userdata;
+    const int64_t n_ff = dst->ne[0] - 1;
+    int32_t * out = (int32_t *) dst->data;
+    int32_t n = 0;
+    for (int64_t i = 0; i < n_ff; ++i) {
+        if (!stat->skip || !stat->skip[i]) {
+            out[1 + n++] = (int32_t) i;
+        }
+    }
+    out[0] = n;
+}
+
+struct ggml_tensor * pi_cold_index(struct ggml_context * ctx, struct ggml_tensor * ref, int64_t n_ff, struct pi_active_stat * stat) {
+    struct ggml_tensor * args[1] = { ref };
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, n_ff + 1, 1, 1, 1, args, 1, cold_index_op, 1, stat);
 }
 
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat) {

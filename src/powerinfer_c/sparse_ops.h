@@ -16,6 +16,7 @@ struct pi_active_stat {
     int64_t    n_active;  // summed over runs
     int64_t    n_total;   // neurons considered, summed over runs
     uint64_t * hist;      // PI_HIST_BINS counts of |act(gate)|, when collecting (else NULL)
+    const uint8_t * skip; // [n_ff] neurons computed elsewhere (hybrid placement: on the device), or NULL
 };
 
 // Adds |x| of every element of x (F32) to stat->hist. Returns a tensor to expand into
@@ -24,9 +25,13 @@ struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct g
 
 // score: F32 [n_ff, T]. Result: I32 [n_ff + 1]: element 0 is the number of active
 // neurons n, elements 1..n their ids in ascending order, where a neuron is active if
-// score > stat->threshold for any token (the union over the batch). Each run adds to
-// stat's counters.
+// score > stat->threshold for any token (the union over the batch), leaving out neurons
+// with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat);
+
+// Every neuron not in stat->skip, as a list like pi_active_index's (hybrid placement, for
+// batches above the sparse crossover). ref only orders the op in the graph.
+struct ggml_tensor * pi_cold_index(struct ggml_context * ctx, struct ggml_tensor * ref, int64_t n_ff, struct pi_active_stat * stat);
 
 // x: F32 [n, T] -> [n, T] of `type` (the weights' vec_dot type); x itself if type is F32.
 struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tensor * x, enum ggml_type type);

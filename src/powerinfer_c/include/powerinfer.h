@@ -68,6 +68,24 @@ struct powerinfer_model_params {
     bool    vocab_only;     // load only metadata and the vocabulary (any architecture); no context can be made
     int32_t sparse_mode;    // enum powerinfer_sparse_mode
     float   sparse_threshold; // NaN: from the file (see docs/formats.md); else overrides every layer's threshold
+    bool    emulate_device; // hybrid placement with the "device" emulated by a CPU buffer (tests; also env POWERINFER_EMULATE_DEVICE=1)
+    bool    reset_gpu_index;// ignore <model>.generated.gpuidx and solve the placement again
+};
+// What the hybrid placement put on the device (docs/hybrid.md). Sizes in bytes.
+struct powerinfer_placement {
+    char    device[128];    // "none", "CPU emulation" or the ggml device name and description
+    bool    active;         // something is on the device
+    bool    emulated;
+    bool    from_cache;     // the FFN sets came from <model>.generated.gpuidx
+    int64_t budget;
+    int64_t bytes_total;    // dense + kv + compute + ffn, never above budget
+    int64_t bytes_dense;    // attention, predictors, norms, output
+    int64_t bytes_kv;
+    int64_t bytes_compute;  // ggml scheduler's compute buffer on the device
+    int64_t bytes_ffn;      // compact hot rows of up/gate/down (and predictor rows)
+    int32_t n_layers_attn;  // layers whose attention weights are on the device
+    int64_t n_hot;          // FFN neurons on the device, all layers
+    int64_t n_neurons;      // n_layer * n_ff
 };
 
 struct powerinfer_context_params {
@@ -223,6 +241,20 @@ POWERINFER_API int32_t powerinfer_set_ffn_capture(struct powerinfer_context * ct
 // gate). Valid until the next decode.
 POWERINFER_API int32_t powerinfer_get_ffn_capture(struct powerinfer_context * ctx, int32_t il,
                                                   const float ** x_res, const float ** act);
+// ---- hybrid placement --------------------------------------------------------
+// Per-neuron activation counts ([n_layer][n_ff], e.g. from PowerInfer's activation_{i}.pt)
+// for the placement, instead of the model's blk.N.ffn_act_count. Before the first context.
+POWERINFER_API int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const float * counts,
+                                                       int32_t n_layer, int32_t n_ff);
+POWERINFER_API int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct powerinfer_placement * out);
+// Ids of layer il's neurons on the device (ascending); returns their number (ids may be NULL).
+POWERINFER_API int32_t powerinfer_layer_hot_neurons(const struct powerinfer_context * ctx, int32_t il, int32_t * ids, int32_t n_max);
+// The placement solver: n_layer layers of n_groups groups; values[l * n_groups + g] is the
+// activation mass of group g of layer l (non-increasing in g), cost[l] the device bytes of
+// one group of layer l, max_groups[l] the per-layer cap (compute-balance bound, <= n_groups).
+// Fills n_chosen[l] (a prefix of each layer's groups) maximizing the mass within budget.
+POWERINFER_API int32_t powerinfer_place_groups(int32_t n_layer, int32_t n_groups, const double * values, const uint64_t * cost,
+                                               const int32_t * max_groups, uint64_t budget, int32_t * n_chosen);
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
 POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
 
