@@ -191,6 +191,9 @@ class Llama:
         sparse_mode: str = "auto",
         sparse_threshold: Optional[float] = None,
         fallback: bool = True,
+        activation_dir: Optional[str] = None,
+        reset_gpu_index: bool = False,
+        emulate_device: bool = False,
         **kwargs: Any,  # accepted and ignored, as upstream does (LangChain passes n_parts, f16_kv, ...)
     ):
         """Load a model. The parameters are llama_cpp.Llama's (see its documentation),
@@ -204,6 +207,12 @@ class Llama:
                 has what they read (ffn_down_t; predictors), see docs/formats.md.
             sparse_threshold: Activation threshold of the sparse modes (gate: on |act(gate)|;
                 predictor: on the predictor's logit); None: the file's (or 0).
+            activation_dir: PowerInfer's `activation/` folder (activation_{i}.pt per-neuron
+                counts, read without running pickle code) for the hybrid placement; None:
+                `<model folder>/activation` when it exists, else the model's own counts.
+            reset_gpu_index: Ignore `<model>.generated.gpuidx` and solve the placement again.
+            emulate_device: Hybrid placement with the device emulated by a CPU buffer under
+                `vram_budget` (tests, machines without a GPU); see docs/hybrid.md.
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
@@ -248,7 +257,8 @@ class Llama:
         upstream_params = {
             k: v
             for k, v in init_params.items()
-            if k not in ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback")
+            if k not in ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback",
+                         "activation_dir", "reset_gpu_index", "emulate_device")
         }
         upstream_params.update(n_threads=n_threads, n_threads_batch=n_threads_batch)
 
@@ -281,6 +291,8 @@ class Llama:
         self.model_params.vocab_only = vocab_only
         self.model_params.sparse_mode = _SPARSE_MODE_IDS[sparse_mode]
         self.model_params.sparse_threshold = float("nan") if sparse_threshold is None else float(sparse_threshold)
+        self.model_params.emulate_device = bool(emulate_device)
+        self.model_params.reset_gpu_index = bool(reset_gpu_index)
 
         model = lib.powerinfer_model_load(os.fsencode(model_path), self.model_params)
         if model == ffi.NULL:
@@ -291,6 +303,8 @@ class Llama:
                 return
             raise PowerInferError(f"Failed to load model from file: {model_path}: {message}", status)
         self._model = model
+        if not vocab_only:
+            self._set_activation_counts(activation_dir)
 
         self.n_batch = min(n_ctx, n_batch) if n_ctx > 0 else n_batch
         self.n_threads = n_threads
@@ -352,6 +366,57 @@ class Llama:
             )
             if draft_model is not None:
                 print("powerinfer_py: draft_model is ignored (no speculative decoding yet)", file=sys.stderr)
+
+    def _set_activation_counts(self, activation_dir: Optional[str]) -> None:
+        """Hands PowerInfer's activation_{i}.pt counts to the core's placement."""
+        folder = activation_dir
+        if folder is None:
+            folder = os.path.join(os.path.dirname(os.path.abspath(self.model_path)), "activation")
+            if not os.path.isdir(folder):
+                return
+        from . import pt_io
+
+        n_layer = int(lib.powerinfer_model_n_layer(self._model))
+        n_ff = int(lib.powerinfer_model_n_ff(self._model))
+        try:
+            counts = pt_io.read_activation_dir(folder, n_layer=n_layer)
+        except (OSError, ValueError) as e:
+            self.close()
+            raise ValueError(f"cannot use the activation counts in {folder}: {e}") from e
+        bad = [i for i, c in enumerate(counts) if c.shape != (n_ff,)]
+        if bad:
+            self.close()
+            raise ValueError(f"{folder}: activation_{bad[0]}.pt has shape {counts[bad[0]].shape}, the model has n_ff = {n_ff}")
+        flat = np.ascontiguousarray(np.stack(counts).astype(np.float32))
+        rc = lib.powerinfer_model_set_act_counts(self._model, ffi.cast("float *", flat.ctypes.data), n_layer, n_ff)
+        if rc != 0:
+            err = _core_error(f"{folder}: activation counts rejected")
+            self.close()
+            raise err
+
+    def placement(self) -> Dict[str, Any]:
+        """What the hybrid placement put on the device: sizes in bytes (never above
+        `budget`), the device name, the FFN neurons placed."""
+        ctx = self._require_ctx()
+        p = ffi.new("struct powerinfer_placement *")
+        lib.powerinfer_get_placement(ctx, p)
+        out: Dict[str, Any] = {"device": ffi.string(p.device).decode()}
+        for k in ("active", "emulated", "from_cache"):
+            out[k] = bool(getattr(p, k))
+        for k in ("budget", "bytes_total", "bytes_dense", "bytes_kv", "bytes_compute", "bytes_ffn",
+                  "n_layers_attn", "n_hot", "n_neurons"):
+            out[k] = int(getattr(p, k))
+        return out
+
+    def hot_neurons(self, layer: int) -> np.ndarray:
+        """Ids of the FFN neurons of `layer` placed on the device (ascending)."""
+        ctx = self._require_ctx()
+        n = lib.powerinfer_layer_hot_neurons(ctx, layer, ffi.NULL, 0)
+        if n < 0:
+            raise _core_error("hot_neurons")
+        ids = np.zeros(max(n, 1), dtype=np.int32)
+        lib.powerinfer_layer_hot_neurons(ctx, layer, ffi.cast("int32_t *", ids.ctypes.data), n)
+        return ids[:n]
 
     def _new_context(self, n_ctx: int, seed: int, flash_attn: bool, embedding: bool) -> None:
         params = lib.powerinfer_context_default_params()

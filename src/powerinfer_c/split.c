@@ -455,7 +455,7 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
     // Compute-buffer estimate from the CPU-only reservation (the device share is at most
     // the whole graph's), with slack for the inputs the scheduler copies across.
     const uint64_t c_est = ctx->galloc ? ggml_gallocr_get_buffer_size(ctx->galloc, 0) : 0;
-    const uint64_t slack = c_est / 8 + (1ull << 20);
+    const uint64_t slack = c_est / 32 + (64u << 10);
 
     // 1-4: dense classes, whole groups, in order, until one does not fit.
     struct dense_item * items = malloc(sizeof(*items) * PI_MAX_DENSE);
@@ -524,7 +524,9 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
     }
     if (!is_hot) rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
     if (ffn_ok && rc == POWERINFER_OK) {
-        const uint64_t fixed = split_total(sp) + slack;
+        // The compute buffers are measured now; keep a little for their growth with the
+        // FFN rows (the loop below re-measures and shrinks if that was not enough).
+        const uint64_t fixed = split_total(sp) + sp->bytes_compute / 64 + (64u << 10);
         uint64_t capacity = sp->budget > fixed ? sp->budget - fixed : 0;
         char path[4096];
         snprintf(path, sizeof(path), "%s.generated.gpuidx", model->path);

@@ -1,0 +1,285 @@
+"""Hybrid GPU/CPU placement, checked with the device emulated by a CPU buffer (the same
+graph, scheduler and accounting as a real device): results equal the unsplit engine
+at every FFN share, the budget is never exceeded, the solver matches brute force, the
+gpuidx cache round-trips and is invalidated, PowerInfer's activation files are read in
+numeric layer order and never unpickled."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from powerinfer_py import Llama
+from powerinfer_py._bindings import ffi, lib
+from powerinfer_py.synthetic import PRESETS, generate
+
+PROMPT = "the cat sat on the mat and"
+N_GEN = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid")
+    return {name: generate(PRESETS[name], out, progress=False)["powerinfer"] for name in ("tiny", "tiny-q8")}
+
+
+def _load(path, mode="predictor", budget=None, emulate=False, **kw):
+    # n_batch 32: compute buffers small next to a tiny model's FFN rows, so shares are meaningful
+    return Llama(model_path=str(path), n_ctx=256, n_batch=32, n_threads=2, sparse_mode=mode, vram_budget=budget,
+                 emulate_device=emulate, verbose=False, **kw)
+
+
+def _greedy(llm):
+    """Greedy tokens after PROMPT and the logits of every step."""
+    llm.reset()
+    tokens = llm.tokenize(PROMPT.encode())
+    out, logits = [], []
+    llm.eval(tokens)
+    for _ in range(N_GEN):
+        row = np.array(llm._last_logits_view(), dtype=np.float64)
+        logits.append(row)
+        t = int(np.argmax(row))
+        out.append(t)
+        llm.eval([t])
+    return out, np.array(logits)
+
+
+def _fixed_and_ffn(path, mode):
+    """Device bytes apart from the FFN rows, and the FFN rows' bytes at 100%."""
+    llm = _load(path, mode, budget=1.0, emulate=True, reset_gpu_index=True)
+    p = llm.placement()
+    llm.close()
+    assert p["active"] and p["n_hot"] == p["n_neurons"], p
+    return p["bytes_total"] - p["bytes_ffn"], p["bytes_ffn"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-q8"])
+@pytest.mark.parametrize("mode", ["predictor", "gate"])
+def test_split_equals_unsplit(tiny, name, mode):
+    path = tiny[name]
+    ref = _load(path, mode)
+    assert not ref.placement()["active"]
+    ref_tokens, ref_logits = _greedy(ref)
+    ref.close()
+
+    fixed, ffn = _fixed_and_ffn(path, mode)
+    scale = np.abs(ref_logits).max()
+    for share in (0.0, 0.3, 0.7, 1.0):
+        margin = (256 << 10) + fixed // 16  # over the engine's margins for the compute buffers
+        budget = fixed + int(share * ffn) + margin
+        llm = _load(path, mode, budget=budget / 2**30, emulate=True, reset_gpu_index=True)
+        p = llm.placement()
+        tokens, logits = _greedy(llm)
+        llm.close()
+        assert p["active"] and p["emulated"]
+        assert p["bytes_total"] <= p["budget"] == int(budget / 2**30 * 2**30), p
+        frac = p["n_hot"] / p["n_neurons"]
+        # neurons go in groups of 32 (an eighth of a tiny layer)
+        assert share - 0.15 <= frac <= share + margin / ffn + 0.15, (share, frac, p)
+        assert tokens == ref_tokens, (share, p)
+        # Device rows are summed by ggml's matmul in another order, and a quantized
+        # model's down columns are requantized to Q8_0 (half a Q8_0 step per weight):
+        # both stay far below the logit scale.
+        tol = 1e-4 if name == "tiny" else 2e-2
+        assert np.max(np.abs(logits - ref_logits)) <= tol * scale, (share, np.max(np.abs(logits - ref_logits)))
+
+
+def test_budget_never_exceeded(tiny):
+    path = tiny["tiny-q8"]
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    rng = np.random.default_rng(0)
+    budgets = list(rng.integers(1, fixed + ffn + (4 << 20), size=10)) + [1, fixed // 2, fixed, fixed + ffn // 7]
+    for b in budgets:
+        llm = _load(path, budget=int(b) / 2**30, emulate=True, reset_gpu_index=True)
+        p = llm.placement()
+        llm.close()
+        assert p["bytes_total"] <= p["budget"], p
+        assert p["bytes_total"] == p["bytes_dense"] + p["bytes_kv"] + p["bytes_compute"] + p["bytes_ffn"]
+        if not p["active"]:
+            assert p["bytes_total"] == 0
+
+
+def _gguf_tensors(path, tmp_path):
+    """Tensors of a GGUF or PWRI file (gguf's reader wants the GGUF magic: read a copy)."""
+    import gguf
+
+    copy = tmp_path / "as-gguf.gguf"
+    data = bytearray(Path(path).read_bytes())
+    data[:4] = b"GGUF"
+    copy.write_bytes(bytes(data))
+    reader = gguf.GGUFReader(copy)
+    return reader, {t.name: np.array(t.data) for t in reader.tensors}
+
+
+def test_hot_set_is_most_active_neurons(tiny, tmp_path):
+    path = tiny["tiny-q8"]
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    llm = _load(path, budget=(fixed + ffn // 2) / 2**30, emulate=True, reset_gpu_index=True)
+    _, counts = _gguf_tensors(path, tmp_path)
+    for il in range(PRESETS["tiny-q8"].n_layer):
+        hot = llm.hot_neurons(il)
+        c = counts[f"blk.{il}.ffn_act_count"]
+        if 0 < len(hot) < len(c):
+            cold = np.setdiff1d(np.arange(len(c)), hot)
+            assert c[hot].min() >= c[cold].max()
+    llm.close()
+
+
+def test_no_device_runs_on_cpu(tiny, capfd):
+    llm = Llama(model_path=tiny["tiny"], n_ctx=256, vram_budget=4, verbose=True)
+    p = llm.placement()
+    llm.close()
+    assert not p["active"] and p["bytes_total"] == 0
+    assert "no GPU backend" in capfd.readouterr().err
+
+
+# ---- the solver --------------------------------------------------------------------------
+
+def _solve(values, cost, max_groups, budget):
+    n_layer, n_groups = values.shape
+    chosen = np.zeros(n_layer, dtype=np.int32)
+    v = np.ascontiguousarray(values, dtype=np.float64)
+    c = np.ascontiguousarray(cost, dtype=np.uint64)
+    m = np.ascontiguousarray(max_groups, dtype=np.int32)
+    rc = lib.powerinfer_place_groups(n_layer, n_groups, ffi.cast("double *", v.ctypes.data),
+                                     ffi.cast("uint64_t *", c.ctypes.data), ffi.cast("int32_t *", m.ctypes.data),
+                                     int(budget), ffi.cast("int32_t *", chosen.ctypes.data))
+    assert rc == 0, ffi.string(lib.powerinfer_last_error())
+    return chosen
+
+
+def _brute(values, cost, max_groups, budget):
+    best = -1.0
+    for ks in itertools.product(*[range(m + 1) for m in max_groups]):
+        if sum(k * c for k, c in zip(ks, cost)) <= budget:
+            best = max(best, sum(values[l, :k].sum() for l, k in enumerate(ks)))
+    return best
+
+
+@pytest.mark.parametrize("equal_costs", [True, False])
+def test_solver_matches_brute_force(equal_costs):
+    rng = np.random.default_rng(1 if equal_costs else 2)
+    for _ in range(60):
+        n_layer, n_groups = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        values = -np.sort(-rng.pareto(1.5, size=(n_layer, n_groups)), axis=1)
+        cost = np.full(n_layer, int(rng.integers(1, 5))) if equal_costs else rng.integers(1, 7, size=n_layer)
+        max_groups = rng.integers(0, n_groups + 1, size=n_layer)  # the per-layer balance cap
+        budget = int(rng.integers(0, int(cost.sum()) * n_groups + 2))
+        chosen = _solve(values, cost, max_groups, budget)
+        assert (chosen <= max_groups).all() and int((chosen * cost).sum()) <= budget
+        got = sum(values[l, :k].sum() for l, k in enumerate(chosen))
+        assert got == pytest.approx(_brute(values, cost, max_groups, budget), rel=1e-12, abs=1e-12)
+
+
+def test_solver_rejects_bad_input():
+    values = np.array([[1.0, 2.0]])  # increasing: not sorted
+    with pytest.raises(AssertionError, match="must not increase"):
+        _solve(values, np.array([1]), np.array([2]), 10)
+
+
+# ---- gpuidx cache ------------------------------------------------------------------------
+
+def test_gpuidx_round_trip_and_invalidation(tiny, tmp_path):
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(tiny["tiny-q8"], path)
+    idx = Path(str(path) + ".generated.gpuidx")
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    budget = (fixed + ffn // 2) / 2**30
+
+    first = _load(path, budget=budget, emulate=True)
+    hot = [first.hot_neurons(il) for il in range(3)]
+    assert not first.placement()["from_cache"] and idx.exists()
+    first.close()
+
+    # The file is PowerInfer's layout: PWRI magic, gpu_idx 0/1 and sorted gpu_bucket per layer.
+    assert idx.read_bytes()[:4] == b"PWRI"
+    r, tensors = _gguf_tensors(idx, tmp_path)
+    assert r.get_field("general.architecture").contents() == "generic.gpu_index"
+    assert r.get_field("split.vram_capacity").contents() > 0
+    for il in range(3):
+        np.testing.assert_array_equal(np.flatnonzero(tensors[f"blk.{il}.gpu_idx"]), hot[il])
+        if len(hot[il]):
+            np.testing.assert_array_equal(tensors[f"blk.{il}.gpu_bucket"], hot[il])
+
+    again = _load(path, budget=budget, emulate=True)
+    assert again.placement()["from_cache"]
+    assert all((again.hot_neurons(il) == hot[il]).all() for il in range(3))
+    again.close()
+
+    # another budget, --reset-gpu-index, a changed model file, a corrupt cache: solved again
+    other = _load(path, budget=budget * 0.9, emulate=True)
+    assert not other.placement()["from_cache"]
+    other.close()
+    back = _load(path, budget=budget, emulate=True)  # rewritten by the previous one: solve once more
+    back.close()
+    reset = _load(path, budget=budget, emulate=True, reset_gpu_index=True)
+    assert not reset.placement()["from_cache"]
+    reset.close()
+    os.utime(path, ns=(1, 1))
+    touched = _load(path, budget=budget, emulate=True)
+    assert not touched.placement()["from_cache"]
+    touched.close()
+    idx.write_bytes(b"PWRI" + b"\xff" * 64)
+    corrupt = _load(path, budget=budget, emulate=True)
+    assert not corrupt.placement()["from_cache"]
+    assert all((corrupt.hot_neurons(il) == hot[il]).all() for il in range(3))
+    corrupt.close()
+
+
+# ---- PowerInfer activation files -----------------------------------------------------------
+
+def test_activation_dir_numeric_order_and_counts(tiny, tmp_path):
+    """activation_{i}.pt files drive the placement, matched to layers by number."""
+    from powerinfer_py import pt_io
+
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(tiny["tiny-q8"], path)
+    n_layer, n_ff = 3, PRESETS["tiny-q8"].n_ff
+    rng = np.random.default_rng(3)
+    counts = [rng.permutation(n_ff).astype(np.float32) for _ in range(n_layer)]
+    act = tmp_path / "activation"
+    pt_io.write_activation_dir(act, counts)
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    llm = _load(path, budget=(fixed + ffn // 3) / 2**30, emulate=True, reset_gpu_index=True)
+    for il in range(n_layer):
+        hot = llm.hot_neurons(il)
+        assert len(hot) > 0
+        cold = np.setdiff1d(np.arange(n_ff), hot)
+        assert counts[il][hot].min() > counts[il][cold].max()
+    llm.close()
+
+
+def test_activation_order_beyond_ten_layers(tmp_path):
+    from powerinfer_py import pt_io
+
+    counts = [np.full(8, i, dtype=np.float32) for i in range(12)]
+    pt_io.write_activation_dir(tmp_path, counts)
+    got = pt_io.read_activation_dir(tmp_path, n_layer=12)
+    assert [int(c[0]) for c in got] == list(range(12))  # not 0, 1, 10, 11, 2, ...
+
+
+def test_pickle_payload_refused(tiny, tmp_path):
+    """A crafted activation file that would run code when unpickled is refused unrun."""
+    import pickle
+    import zipfile
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    act = tmp_path / "activation"
+    act.mkdir()
+    for i in range(3):
+        with zipfile.ZipFile(act / f"activation_{i}.pt", "w") as z:
+            z.writestr("archive/data.pkl", pickle.dumps(Payload(), protocol=2))
+            z.writestr("archive/version", "3\n")
+    with pytest.raises(ValueError):
+        _load(tiny["tiny-q8"], budget=0.01, emulate=True, activation_dir=str(act))
+    assert not marker.exists()
