@@ -291,6 +291,8 @@ class Llama:
         self.model_params.vocab_only = vocab_only
         self.model_params.sparse_mode = _SPARSE_MODE_IDS[sparse_mode]
         self.model_params.sparse_threshold = float("nan") if sparse_threshold is None else float(sparse_threshold)
+        if vram_budget is not None and vram_budget > 0:
+            self.model_params.vram_budget_bytes = int(float(vram_budget) * 2**30)  # exact, not a C float
         self.model_params.emulate_device = bool(emulate_device)
         self.model_params.reset_gpu_index = bool(reset_gpu_index)
 

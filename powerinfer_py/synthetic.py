@@ -55,6 +55,9 @@ class SyntheticSpec:
 PRESETS: Dict[str, SyntheticSpec] = {
     "tiny": SyntheticSpec("tiny-relu", n_embd=64, n_ff=256, n_layer=2, n_head=4, n_head_kv=2, gate_rank=16, wtype="F32"),
     "tiny-q8": SyntheticSpec("tiny-relu-q8", n_embd=128, n_ff=384, n_layer=3, n_head=4, n_head_kv=4, gate_rank=24, wtype="Q8_0"),
+    # big enough that a fraction of it holds a device's compute buffers (hybrid benchmark in CI)
+    "small": SyntheticSpec("small-relu", n_embd=256, n_ff=1024, n_layer=4, n_head=4, n_head_kv=4, gate_rank=32,
+                           wtype="Q4_0"),
     "7b": SyntheticSpec("relu-7b-shaped", n_embd=4096, n_ff=11008, n_layer=32, n_head=32, n_head_kv=32, gate_rank=127,
                         wtype="Q4_0", n_ctx=4096),
 }

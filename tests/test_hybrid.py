@@ -77,7 +77,7 @@ def test_split_equals_unsplit(tiny, name, mode):
         tokens, logits = _greedy(llm)
         llm.close()
         assert p["active"] and p["emulated"]
-        assert p["bytes_total"] <= p["budget"] == int(budget / 2**30 * 2**30), p
+        assert p["bytes_total"] <= p["budget"] == int(budget / 2**30 * 2**30), p  # bytes, exactly
         frac = p["n_hot"] / p["n_neurons"]
         # neurons go in groups of 32 (an eighth of a tiny layer)
         assert share - 0.15 <= frac <= share + margin / ffn + 0.15, (share, frac, p)
@@ -283,3 +283,52 @@ def test_pickle_payload_refused(tiny, tmp_path):
     with pytest.raises(ValueError):
         _load(tiny["tiny-q8"], budget=0.01, emulate=True, activation_dir=str(act))
     assert not marker.exists()
+
+
+# ---- a real device (scripts/gpu_check.sh); skipped where ggml has no GPU backend ----------
+
+def _has_gpu() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="the installed ggml has no GPU backend")
+@pytest.mark.parametrize("name", ["tiny", "tiny-q8"])
+def test_gpu_split_matches_cpu(tiny, name):
+    path = tiny[name]
+    ref = _load(path)
+    ref_tokens, ref_logits = _greedy(ref)
+    ref.close()
+    scale = np.abs(ref_logits).max()
+    for budget in (0.002, 0.004, 1.0):
+        llm = _load(path, budget=budget, reset_gpu_index=True)
+        p = llm.placement()
+        tokens, logits = _greedy(llm)
+        llm.close()
+        assert p["active"] and not p["emulated"] and p["bytes_total"] <= p["budget"], p
+        # The device's matmuls quantize activations (Q8_1) where the CPU path does not.
+        assert tokens[:8] == ref_tokens[:8]
+        assert np.max(np.abs(logits[:8] - ref_logits[:8])) <= 5e-2 * scale
+
+
+# ---- the benchmark script runs and reports within budget (emulated here) -----------------
+
+def test_bench_hybrid_prints_table(tmp_path, capsys):
+    from powerinfer_py import bench_hybrid
+
+    paths = generate(PRESETS["small"], tmp_path, progress=False)
+    out = tmp_path / "bench.json"
+    rc = bench_hybrid.main(["--dense", paths["dense"], "--powerinfer", paths["powerinfer"], "--n-gen", "4",
+                            "--budgets", "0.5,0.75,1.0", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| budget |" in text and text.count("x |") == 3
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["fraction"] for r in rows] == [0.5, 0.75, 1.0]
+    for r in rows:
+        pl = r["powerinfer"]["placement"]
+        assert pl["bytes_total"] <= pl["budget"] == r["budget"]
+    assert rows[-1]["powerinfer"]["placement"]["n_hot"] > 0  # the whole model's size leaves room for rows

@@ -480,6 +480,7 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .sparse_threshold = NAN,
         .emulate_device  = false,
         .reset_gpu_index = false,
+        .vram_budget_bytes = 0,
     };
     return p;
 }

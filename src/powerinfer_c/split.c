@@ -430,7 +430,8 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
         return sp->active ? make_sched(ctx) : POWERINFER_OK;
     }
     sp->decided = true;
-    const float gib = model->params.vram_budget_gib;
+    const int64_t exact = model->params.vram_budget_bytes;
+    const float gib = exact > 0 ? 1.0f : model->params.vram_budget_gib;
     const bool emulate = model->params.emulate_device || env_flag("POWERINFER_EMULATE_DEVICE");
     if (gib == 0.0f && !emulate) {
         return POWERINFER_OK;
@@ -441,11 +442,13 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
                ggml_backend_dev_count() > 0 ? "CPU only" : "no devices");
         return POWERINFER_OK;
     }
-    if (gib < 0.0f) {
+    if (exact > 0) {
+        sp->budget = (uint64_t) exact;
+    } else if (gib < 0.0f) {
         const uint64_t free_b = free_device_memory(sp);
         sp->budget = free_b > PI_DEVICE_MARGIN ? free_b - PI_DEVICE_MARGIN : 0;
     } else {
-        sp->budget = (uint64_t) ((double) gib * (double) (1ull << 30));
+        sp->budget = (uint64_t) floor((double) gib * (double) (1ull << 30));
     }
     pi_log(POWERINFER_LOG_INFO, "%s: device %s, budget %.1f MiB\n", tag, sp->device, sp->budget / 1048576.0);
     if (sp->budget == 0) {
@@ -593,6 +596,10 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
     for (int32_t il = 0; is_hot && il < n_layer; ++il) free(is_hot[il]);
     free(is_hot);
 
+    if (rc == POWERINFER_OK && n_items == 0) {
+        pi_log(POWERINFER_LOG_INFO, "%s: nothing fits in %.1f MiB (the compute buffers alone take about %.1f MiB); "
+               "running on the CPU\n", tag, sp->budget / 1048576.0, (c_est + slack) / 1048576.0);
+    }
     if (rc != POWERINFER_OK || !sp->active || split_total(sp) > sp->budget) {
         // Nothing (more) on the device: back to the plain CPU path.
         if (ctx->sched) ggml_backend_sched_free(ctx->sched);

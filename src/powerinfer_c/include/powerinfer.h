@@ -70,6 +70,7 @@ struct powerinfer_model_params {
     float   sparse_threshold; // NaN: from the file (see docs/formats.md); else overrides every layer's threshold
     bool    emulate_device; // hybrid placement with the "device" emulated by a CPU buffer (tests; also env POWERINFER_EMULATE_DEVICE=1)
     bool    reset_gpu_index;// ignore <model>.generated.gpuidx and solve the placement again
+    int64_t vram_budget_bytes; // > 0: the budget in bytes, exactly (overrides vram_budget_gib)
 };
 // What the hybrid placement put on the device (docs/hybrid.md). Sizes in bytes.
 struct powerinfer_placement {

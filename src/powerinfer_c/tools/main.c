@@ -29,6 +29,8 @@ struct cli_args {
     int32_t      n_gpu_layers;
     int32_t      sparse_mode;
     float        sparse_threshold;
+    bool         reset_gpu_index;
+    bool         emulate_device;
 };
 
 static void usage(FILE * out, const char * argv0) {
@@ -57,6 +59,8 @@ static void usage(FILE * out, const char * argv0) {
         "  --ignore-eos              keep generating after the end-of-text token\n"
         "  -fa, --flash-attn         use flash attention\n"
         "  --vram-budget N           device memory budget in GiB for hot neurons (hybrid placement)\n"
+        "  --reset-gpu-index         ignore MODEL.generated.gpuidx and solve the neuron placement again\n"
+        "  --emulate-device          hybrid placement with the device emulated in host memory (testing)\n"
         "  -ngl, --n-gpu-layers N    accepted for llama.cpp compatibility; placement follows --vram-budget\n"
         "  --sparse-mode MODE        auto, dense, gate or predictor (default: auto, the best the file allows)\n"
         "  --sparse-threshold N      activation threshold for gate/predictor mode (default: from the file)\n"
@@ -111,6 +115,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         if (IS("--ignore-eos"))                { a->ignore_eos = true; continue; }
         if (IS("-fa") || IS("--flash-attn"))   { a->flash_attn = true; continue; }
         if (IS("-v") || IS("--verbose"))       { a->verbose = true; continue; }
+        if (IS("--reset-gpu-index"))           { a->reset_gpu_index = true; continue; }
+        if (IS("--emulate-device"))            { a->emulate_device = true; continue; }
         const bool takes_value =
             IS("-m") || IS("--model") || IS("-p") || IS("--prompt") || IS("-f") || IS("--file") ||
             IS("-n") || IS("--n-predict") || IS("-t") || IS("--threads") || IS("-tb") || IS("--threads-batch") ||
@@ -234,6 +240,11 @@ int main(int argc, char ** argv) {
     mp.n_gpu_layers    = a.n_gpu_layers;
     mp.sparse_mode     = a.sparse_mode;
     mp.sparse_threshold = a.sparse_threshold;
+    mp.reset_gpu_index = a.reset_gpu_index;
+    if (a.vram_budget > 0.0f) {
+        mp.vram_budget_bytes = (int64_t) ((double) a.vram_budget * 1073741824.0);
+    }
+    mp.emulate_device  = a.emulate_device;
     struct powerinfer_model * model = powerinfer_model_load(a.model, mp);
     if (!model) {
         fprintf(stderr, "error: failed to load model: %s\n", powerinfer_last_error());
