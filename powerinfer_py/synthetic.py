@@ -50,11 +50,14 @@ class SyntheticSpec:
     seed: int = 0
     embd_const: float = 0.0  # 0: chosen so channel 0 is ~half the embedding's RMS energy
     activation: str = "relu"  # written as powerinfer.ffn_activation
+    arch: str = "llama"  # general.architecture: llama, or bamboo (PowerInfer's dReLU llama)
 
 
 PRESETS: Dict[str, SyntheticSpec] = {
     "tiny": SyntheticSpec("tiny-relu", n_embd=64, n_ff=256, n_layer=2, n_head=4, n_head_kv=2, gate_rank=16, wtype="F32"),
     "tiny-q8": SyntheticSpec("tiny-relu-q8", n_embd=128, n_ff=384, n_layer=3, n_head=4, n_head_kv=4, gate_rank=24, wtype="Q8_0"),
+    "tiny-bamboo": SyntheticSpec("tiny-bamboo", n_embd=64, n_ff=256, n_layer=2, n_head=4, n_head_kv=2, gate_rank=16,
+                                 wtype="F32", activation="drelu", arch="bamboo"),
     # big enough that a fraction of it holds a device's compute buffers (hybrid benchmark in CI)
     "small": SyntheticSpec("small-relu", n_embd=256, n_ff=1024, n_layer=4, n_head=4, n_head_kv=4, gate_rank=32,
                            wtype="Q4_0"),
@@ -177,7 +180,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
     paths = {"dense": str(out / f"{spec.name}.gguf"), "powerinfer": str(out / f"{spec.name}.powerinfer.gguf")}
     writers = {}
     for kind, path in paths.items():
-        w = gguf.GGUFWriter(path + ".tmp", "llama")
+        w = gguf.GGUFWriter(path + ".tmp", spec.arch)
         w.add_name(spec.name)
         w.add_context_length(spec.n_ctx)
         w.add_embedding_length(e)

@@ -15,7 +15,8 @@ static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_te
 
 static struct ggml_tensor * build_act(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * x) {
     switch (act) {
-        case PI_ACT_RELU: return ggml_relu(ctx, x);
+        case PI_ACT_RELU:
+        case PI_ACT_DRELU: return ggml_relu(ctx, x);
         case PI_ACT_GELU: return ggml_gelu(ctx, x);
         default:          return ggml_silu(ctx, x);
     }
@@ -29,9 +30,15 @@ static struct ggml_tensor * build_glu(struct ggml_context * ctx, enum pi_ffn_act
     }
     switch (act) {
         case PI_ACT_RELU: return ggml_reglu_split(ctx, gate, up);
+        case PI_ACT_DRELU: return ggml_mul(ctx, ggml_relu(ctx, gate), ggml_relu(ctx, up));
         case PI_ACT_GELU: return ggml_geglu_split(ctx, gate, up);
         default:          return ggml_swiglu_split(ctx, gate, up);
     }
+}
+
+// The up projection's share of h = act(gate) * f(up): relu(up) for dReLU, else up.
+static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * up) {
+    return act == PI_ACT_DRELU ? ggml_relu(ctx, up) : up;
 }
 
 // Down projection of h [n_ff, n_tokens]: through ffn_down when the file has it, else
@@ -65,9 +72,9 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
         struct ggml_tensor * a   = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
-        struct ggml_tensor * idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), stat);
+        struct ggml_tensor * idx = pi_active_index(ctx, pi_act_is_relu(act) ? a : ggml_abs(ctx, a), stat);
         struct ggml_tensor * xq  = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
-        struct ggml_tensor * h   = ggml_mul(ctx, a, pi_sparse_matvec(ctx, l->ffn_up, xq, idx));
+        struct ggml_tensor * h   = ggml_mul(ctx, a, up_term(ctx, act, pi_sparse_matvec(ctx, l->ffn_up, xq, idx)));
         return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
     }
     if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
@@ -93,13 +100,13 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         ggml_set_output(a);
         in->cap_x[il]   = x_res;
         in->cap_act[il] = a;
-        return build_down(ctx, l, gate ? ggml_mul(ctx, a, up) : a, stat);
+        return build_down(ctx, l, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
     }
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
         ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
-        return build_down(ctx, l, ggml_mul(ctx, a, up), stat);
+        return build_down(ctx, l, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
     }
     return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
 }
@@ -126,10 +133,10 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
     {
         struct ggml_tensor * up = ggml_mul_mat(ctx, sl->up, x);                            // [n_pad, T]
         struct ggml_tensor * a  = sl->gate ? build_act(ctx, act, ggml_mul_mat(ctx, sl->gate, x)) : NULL;
-        struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up) : build_act(ctx, act, up);
+        struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up_term(ctx, act, up)) : build_act(ctx, act, up);
         if (sparse) {
             struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, sl->fc2, pre)
-                                              : (act == PI_ACT_RELU ? a : ggml_abs(ctx, a));
+                                              : (pi_act_is_relu(act) ? a : ggml_abs(ctx, a));
             // step(score - tau): 1 where the neuron is active, else 0
             h = ggml_mul(ctx, h, ggml_step(ctx, ggml_scale_bias(ctx, score, 1.0f, -tau)));
         }
@@ -149,13 +156,13 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
     } else if (pred) {
         idx = pi_active_index(ctx, ggml_mul_mat(ctx, l->fc2, pre), stat);
     } else {
-        idx = pi_active_index(ctx, act == PI_ACT_RELU ? a : ggml_abs(ctx, a), stat);
+        idx = pi_active_index(ctx, pi_act_is_relu(act) ? a : ggml_abs(ctx, a), stat);
     }
     struct ggml_tensor * xq = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
     struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
     struct ggml_tensor * h;
     if (a) {
-        h = ggml_mul(ctx, a, up);
+        h = ggml_mul(ctx, a, up_term(ctx, act, up));
     } else {
         struct ggml_tensor * gate = NULL;
         if (l->ffn_gate) {

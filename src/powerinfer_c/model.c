@@ -103,6 +103,7 @@ static int32_t arch_float(const struct powerinfer_model * model, const char * su
 static const char * act_name(enum pi_ffn_act act) {
     switch (act) {
         case PI_ACT_RELU: return "relu";
+        case PI_ACT_DRELU: return "drelu";
         case PI_ACT_GELU: return "gelu";
         default:          return "silu";
     }
@@ -118,9 +119,11 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
         model->arch = PI_ARCH_LLAMA;
     } else if (strcmp(arch, "qwen2") == 0) {
         model->arch = PI_ARCH_QWEN2;
+    } else if (strcmp(arch, "bamboo") == 0) {
+        model->arch = PI_ARCH_BAMBOO;
     } else {
         return pi_fail(POWERINFER_ERR_UNSUPPORTED,
-                       "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2)",
+                       "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2, bamboo)",
                        arch);
     }
 
@@ -185,14 +188,17 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
 
     // FFN activation: our key if present, else the architecture's usual one.
     // PowerInfer's rule: a PWRI file of architecture llama is a ReLU model.
-    hp->ffn_act = model->is_powerinfer && model->arch == PI_ARCH_LLAMA ? PI_ACT_RELU : PI_ACT_SILU;
+    // Bamboo is dReLU.
+    hp->ffn_act = model->arch == PI_ARCH_BAMBOO ? PI_ACT_DRELU
+                : model->is_powerinfer && model->arch == PI_ARCH_LLAMA ? PI_ACT_RELU : PI_ACT_SILU;
     const char * act = get_str(model, PI_KEY_FFN_ACTIVATION);
     if (act) {
         if      (strcmp(act, "silu") == 0) hp->ffn_act = PI_ACT_SILU;
         else if (strcmp(act, "relu") == 0) hp->ffn_act = PI_ACT_RELU;
         else if (strcmp(act, "gelu") == 0) hp->ffn_act = PI_ACT_GELU;
+        else if (strcmp(act, "drelu") == 0) hp->ffn_act = PI_ACT_DRELU;
         else {
-            return pi_fail(POWERINFER_ERR_UNSUPPORTED, "%s = '%s' is not one of silu, relu, gelu",
+            return pi_fail(POWERINFER_ERR_UNSUPPORTED, "%s = '%s' is not one of silu, relu, gelu, drelu",
                            PI_KEY_FFN_ACTIVATION, act);
         }
     }
@@ -395,7 +401,7 @@ static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
         gate   &= model->layers[il].ffn_gate != NULL;
     }
     const int32_t want = model->params.sparse_mode;
-    const bool gate_ok = down_t && gate && (hp->ffn_act == PI_ACT_RELU || find_key(model, PI_KEY_GATE_THRESHOLDS) >= 0 ||
+    const bool gate_ok = down_t && gate && (pi_act_is_relu(hp->ffn_act) || find_key(model, PI_KEY_GATE_THRESHOLDS) >= 0 ||
                                             want == POWERINFER_SPARSE_GATE);
     switch (want) {
         case POWERINFER_SPARSE_AUTO:

@@ -32,13 +32,18 @@ double  pi_time_ms(void);
 enum pi_arch {
     PI_ARCH_LLAMA,
     PI_ARCH_QWEN2,
+    PI_ARCH_BAMBOO, // PowerInfer's Bamboo: llama's layout with dReLU, relu(gate) * relu(up)
 };
 
 enum pi_ffn_act {
     PI_ACT_SILU,
     PI_ACT_RELU,
     PI_ACT_GELU,
+    PI_ACT_DRELU, // relu(gate) * relu(up) (Bamboo, TurboSparse)
 };
+
+// ReLU-family activations: a neuron whose activation is 0 contributes nothing.
+static inline bool pi_act_is_relu(enum pi_ffn_act act) { return act == PI_ACT_RELU || act == PI_ACT_DRELU; }
 
 struct pi_hparams {
     int32_t n_vocab;

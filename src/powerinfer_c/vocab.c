@@ -28,8 +28,18 @@ static struct llama_model * load_vocab_of_powerinfer_file(const struct powerinfe
     char path[64];
     snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
     struct llama_model * m = NULL;
-    if (gguf_write_to_file(model->gguf, path, true)) {
-        m = llama_model_load_from_file(path, mp);
+    // Architectures libllama does not know (bamboo) are named llama: a vocab-only load
+    // reads nothing architecture-specific.
+    struct gguf_context * g = gguf_init_empty();
+    if (g) {
+        gguf_set_kv(g, model->gguf);
+        if (strcmp(model->arch_name, "bamboo") == 0) {
+            gguf_set_val_str(g, "general.architecture", "llama");
+        }
+        if (gguf_write_to_file(g, path, true)) {
+            m = llama_model_load_from_file(path, mp);
+        }
+        gguf_free(g);
     }
     close(fd);
     return m;
@@ -87,7 +97,7 @@ int32_t pi_vocab_load(struct powerinfer_model * model) {
     }
     struct llama_model_params mp = llama_model_default_params();
     mp.vocab_only = true;
-    model->llm_vocab_model = model->is_powerinfer ? load_vocab_of_powerinfer_file(model, mp)
+    model->llm_vocab_model = model->is_powerinfer || strcmp(model->arch_name, "bamboo") == 0 ? load_vocab_of_powerinfer_file(model, mp)
                                                   : llama_model_load_from_file(model->path, mp);
     if (!model->llm_vocab_model) {
         return pi_fail(POWERINFER_ERR_FORMAT, "libllama could not load the vocabulary of '%s'", model->path);
