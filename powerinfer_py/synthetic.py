@@ -263,6 +263,84 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
     return paths
 
 
+def generate_falcon(out_dir: os.PathLike, n_embd: int = 64, n_ff: int = 256, n_layer: int = 2, n_head: int = 4,
+                    seed: int = 0) -> Dict[str, str]:
+    """A tiny Falcon-architecture pair (F32, multi-query attention like Falcon-7B): the
+    standard GGUF runs GELU (llama.cpp runs it too: the parity reference), the PWRI twin
+    the same weights with ReLU, ffn_down_t and an exact predictor. The attention norm has
+    no bias, so the up projection's sign is linear in the residual x: up = W_up (w * C x)
+    / std(x) with C the centring matrix, and fc2 . relu(fc1 . x) = M x with fc1 = [I; -I],
+    fc2 = [M, -M], M = W_up diag(w) C. No planted power law: about half the neurons fire."""
+    import gguf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    e, head = n_embd, n_embd // n_head
+    n_kv = head  # one key/value head
+
+    def normal(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    t = {"token_embd.weight": normal(len(tokens), e), "output_norm.weight": 1 + normal(e, scale=0.1),
+         "output_norm.bias": normal(e, scale=0.1), "output.weight": normal(len(tokens), e, scale=e ** -0.5)}
+    resid = t["token_embd.weight"][rng.integers(0, len(tokens), size=512)]
+    centre = np.eye(e, dtype=np.float32) - 1.0 / e
+    pred, counts = {}, {}
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        t[b + "attn_norm.weight"] = 1 + normal(e, scale=0.1)
+        t[b + "attn_norm.bias"] = np.zeros(e, dtype=np.float32)
+        t[b + "attn_qkv.weight"] = normal(e + 2 * n_kv, e, scale=e ** -0.5)
+        t[b + "attn_output.weight"] = normal(e, e, scale=e ** -0.5)
+        t[b + "ffn_up.weight"] = normal(n_ff, e, scale=e ** -0.5)
+        t[b + "ffn_down.weight"] = normal(e, n_ff, scale=n_ff ** -0.5)
+        m = t[b + "ffn_up.weight"] @ np.diag(t[b + "attn_norm.weight"]) @ centre
+        pred[b + "fc1.weight"] = np.concatenate([np.eye(e), -np.eye(e)]).astype(np.float32)
+        pred[b + "fc2.weight"] = np.concatenate([m, -m], axis=1).astype(np.float32)
+        counts[b + "ffn_act_count"] = ((resid @ m.T) > 0).sum(axis=0).astype(np.float32)
+    paths = {"dense": str(out / "tiny-falcon.gguf"), "powerinfer": str(out / "tiny-falcon.powerinfer.gguf")}
+    for kind, path in paths.items():
+        w = gguf.GGUFWriter(path + ".tmp", "falcon")
+        w.add_name("tiny-falcon")
+        w.add_context_length(2048)
+        w.add_embedding_length(e)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(1)
+        w.add_layer_norm_eps(1e-5)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        if kind == "powerinfer":
+            w.add_string("powerinfer.ffn_activation", "relu")
+            w.add_float32("powerinfer.sparse_threshold", 0.0)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+        for name, arr in t.items():
+            if kind == "powerinfer" and name.endswith("ffn_down.weight"):
+                w.add_tensor(name.replace("ffn_down", "ffn_down_t"), np.ascontiguousarray(arr.T))
+            else:
+                w.add_tensor(name, arr)
+        if kind == "powerinfer":
+            for name, arr in {**pred, **counts}.items():
+                w.add_tensor(name, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=False)
+        w.close()
+    with open(paths["powerinfer"] + ".tmp", "r+b") as f:
+        f.write(PWRI_MAGIC)
+    for path in paths.values():
+        os.replace(path + ".tmp", path)
+    return paths
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m powerinfer_py.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

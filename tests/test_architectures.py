@@ -89,3 +89,60 @@ def test_bamboo_standard_gguf_loads(models):
     assert llm.ffn_activation() == "drelu" and llm.sparse_mode_in_use() == "dense"
     assert llm.tokenize(b"the cat") == Llama(model_path=models["tiny-bamboo"]["powerinfer"], n_ctx=256,
                                              verbose=False).tokenize(b"the cat")
+
+
+# ---- Falcon: LayerNorm, fused QKV, multi-query attention, parallel attention + FFN -------
+
+@pytest.fixture(scope="module")
+def falcon(tmp_path_factory):
+    from powerinfer_py.synthetic import generate_falcon
+
+    return generate_falcon(tmp_path_factory.mktemp("falcon"))
+
+
+def test_falcon_dense_matches_llama_cpp(falcon):
+    """llama.cpp runs Falcon (GELU): same graph, same kernels, so the logits agree exactly."""
+    import llama_cpp
+
+    ref = llama_cpp.Llama(model_path=falcon["dense"], n_ctx=256, logits_all=True, verbose=False)
+    ours = Llama(model_path=falcon["dense"], n_ctx=256, logits_all=True, verbose=False)
+    assert ours.ffn_activation() == "gelu"
+    toks = ref.tokenize(b"the cat sat on the mat and the dog")
+    assert ours.tokenize(b"the cat sat on the mat and the dog") == toks
+    ref.eval(toks)
+    ours.eval(toks)
+    a, b = np.array(ref.scores[: len(toks)]), np.array(ours.scores[: len(toks)])
+    np.testing.assert_array_equal(a, b)
+    # Token by token (another matmul kernel than the batch): F32 rounding only.
+    ours.reset()
+    for t in toks:
+        ours.eval([t])
+    b = np.array(ours.scores[: len(toks)])
+    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(a))
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.5])
+def test_falcon_predictor_matches_dense(falcon, budget_share):
+    """PWRI Falcon (ReLU) with its exact predictor: the same tokens as dense, on the CPU
+    and split with the device emulated."""
+    path = falcon["powerinfer"]
+
+    def run(mode, **kw):
+        llm = Llama(model_path=path, n_ctx=256, n_batch=32, sparse_mode=mode, logits_all=True, verbose=False, **kw)
+        out = llm.create_completion("the cat sat on", max_tokens=16, temperature=0, logprobs=1)
+        place = llm.placement()
+        llm.close()
+        return out["choices"][0], place
+
+    dense, _ = run("dense")
+    kw = {}
+    if budget_share is not None:
+        whole, p = run("predictor", vram_budget=1.0, emulate_device=True, reset_gpu_index=True)
+        assert p["n_hot"] == p["n_neurons"]
+        budget = p["bytes_total"] - p["bytes_ffn"] + int(budget_share * p["bytes_ffn"]) + (64 << 10)
+        kw = dict(vram_budget=budget / 2**30, emulate_device=True, reset_gpu_index=True)
+    pred, p = run("predictor", **kw)
+    assert pred["text"] == dense["text"]
+    np.testing.assert_allclose(pred["logprobs"]["token_logprobs"], dense["logprobs"]["token_logprobs"], atol=1e-4)
+    if budget_share is not None:
+        assert p["active"] and 0 < p["n_hot"] < p["n_neurons"] and p["bytes_total"] <= p["budget"]

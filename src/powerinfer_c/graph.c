@@ -13,6 +13,12 @@ static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_te
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+// LayerNorm with learned scale and bias (llama.cpp's order: norm, * w, + b).
+static struct ggml_tensor * build_layer_norm(struct ggml_context * ctx, struct ggml_tensor * x,
+                                             struct ggml_tensor * w, struct ggml_tensor * b, float eps) {
+    return ggml_add(ctx, ggml_mul(ctx, ggml_norm(ctx, x, eps), w), b);
+}
+
 static struct ggml_tensor * build_act(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * x) {
     switch (act) {
         case PI_ACT_RELU:
@@ -261,7 +267,37 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
 
     struct ggml_tensor * inpL = ggml_get_rows(ctx, model->tok_embd, in->tokens);  // [n_embd, n_tokens]
 
-    for (int il = 0; il < hp->n_layer; ++il) {
+    for (int il = 0; il < hp->n_layer && model->arch == PI_ARCH_FALCON; ++il) {
+        // Falcon: attention and FFN both read LayerNorm(x); x + attn + ffn.
+        const struct pi_layer * l = &model->layers[il];
+        const float eps = hp->norm_rms_eps;
+        struct ggml_tensor * attn_norm = build_layer_norm(ctx, inpL, l->attn_norm, l->attn_norm_b, eps);
+        struct ggml_tensor * cur = l->attn_norm_2 ? build_layer_norm(ctx, inpL, l->attn_norm_2, l->attn_norm_2_b, eps)
+                                                  : attn_norm;
+        const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
+        struct ggml_tensor * qkv = ggml_mul_mat(ctx, l->wqkv, cur);
+        const size_t es = ggml_element_size(qkv);
+        struct ggml_tensor * q = ggml_view_3d(ctx, qkv, head, hp->n_head, n_tokens, es * head, qkv->nb[1], 0);
+        struct ggml_tensor * k = ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1], es * n_q);
+        struct ggml_tensor * v = ggml_cont(ctx, ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1],
+                                                             es * (n_q + n_kv)));
+        q = ggml_rope_ext(ctx, q, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
+                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        k = ggml_rope_ext(ctx, k, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
+                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
+        cur = ggml_mul_mat(ctx, l->wo, cur);
+        if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
+            cur       = ggml_get_rows(ctx, cur, in->out_ids);
+            inpL      = ggml_get_rows(ctx, inpL, in->out_ids);
+            attn_norm = ggml_get_rows(ctx, attn_norm, in->out_ids);
+        }
+        // The predictor reads the layer input (the residual stream the FFN's norm sees).
+        struct ggml_tensor * ffn = build_ffn(ctx, gf, model, il, attn_norm, inpL, &gp->sparse[il], gp, in);
+        inpL = ggml_add(ctx, ggml_add(ctx, ffn, cur), inpL);
+    }
+
+    for (int il = 0; il < hp->n_layer && model->arch != PI_ARCH_FALCON; ++il) {
         const struct pi_layer * l = &model->layers[il];
         struct ggml_tensor * inpSA = inpL;
 
@@ -301,7 +337,9 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         // Capturing keeps every row through the last FFN; select the outputs here instead.
         inpL = ggml_get_rows(ctx, inpL, in->out_ids);
     }
-    struct ggml_tensor * cur = build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
+    struct ggml_tensor * cur = model->output_norm_b
+        ? build_layer_norm(ctx, inpL, model->output_norm, model->output_norm_b, hp->norm_rms_eps)
+        : build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
     in->embd = cur;
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);

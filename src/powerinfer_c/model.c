@@ -121,9 +121,11 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
         model->arch = PI_ARCH_QWEN2;
     } else if (strcmp(arch, "bamboo") == 0) {
         model->arch = PI_ARCH_BAMBOO;
+    } else if (strcmp(arch, "falcon") == 0) {
+        model->arch = PI_ARCH_FALCON;
     } else {
         return pi_fail(POWERINFER_ERR_UNSUPPORTED,
-                       "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2, bamboo)",
+                       "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2, bamboo, falcon)",
                        arch);
     }
 
@@ -163,7 +165,8 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
         return pi_fail(POWERINFER_ERR_UNSUPPORTED, "mixture-of-experts models (%s.expert_count = %d) are not supported",
                        arch, n_expert);
     }
-    if ((rc = arch_float(model, "attention.layer_norm_rms_epsilon", 1e-5f, &hp->norm_rms_eps)) ||
+    if ((rc = arch_float(model, model->arch == PI_ARCH_FALCON ? "attention.layer_norm_epsilon" : "attention.layer_norm_rms_epsilon",
+                         1e-5f, &hp->norm_rms_eps)) ||
         (rc = arch_float(model, "rope.freq_base", 10000.0f, &hp->rope_freq_base))) {
         return rc;
     }
@@ -184,13 +187,15 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
     if ((!scaling || strcmp(scaling, "linear") == 0) && factor > 0.0f) {
         hp->rope_freq_scale = 1.0f / factor;
     }
-    hp->rope_type = model->arch == PI_ARCH_QWEN2 ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
+    hp->rope_type = model->arch == PI_ARCH_QWEN2 || model->arch == PI_ARCH_FALCON ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
 
     // FFN activation: our key if present, else the architecture's usual one.
     // PowerInfer's rule: a PWRI file of architecture llama is a ReLU model.
     // Bamboo is dReLU.
+    // Falcon is GELU, and its PWRI files ReLU (PowerInfer's sparse path is ReLU-only).
     hp->ffn_act = model->arch == PI_ARCH_BAMBOO ? PI_ACT_DRELU
-                : model->is_powerinfer && model->arch == PI_ARCH_LLAMA ? PI_ACT_RELU : PI_ACT_SILU;
+                : model->is_powerinfer && (model->arch == PI_ARCH_LLAMA || model->arch == PI_ARCH_FALCON) ? PI_ACT_RELU
+                : model->arch == PI_ARCH_FALCON ? PI_ACT_GELU : PI_ACT_SILU;
     const char * act = get_str(model, PI_KEY_FFN_ACTIVATION);
     if (act) {
         if      (strcmp(act, "silu") == 0) hp->ffn_act = PI_ACT_SILU;
@@ -272,8 +277,10 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
     const int64_t n_ff     = hp->n_ff;
     int32_t rc;
 
+    const bool falcon = model->arch == PI_ARCH_FALCON;
     if ((rc = bind(model, &model->tok_embd, true, n_embd, n_vocab, "token_embd.weight")) ||
         (rc = bind(model, &model->output_norm, true, n_embd, 0, "output_norm.weight")) ||
+        (rc = bind(model, &model->output_norm_b, falcon, n_embd, 0, "output_norm.bias")) ||
         (rc = bind(model, &model->output, false, n_embd, n_vocab, "output.weight"))) {
         return rc;
     }
@@ -283,15 +290,23 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
 
     for (int32_t il = 0; il < hp->n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
+        if (falcon) {
+            if ((rc = bind(model, &l->attn_norm_b,   true,  n_embd, 0, "blk.%d.attn_norm.bias", il)) ||
+                (rc = bind(model, &l->attn_norm_2,   false, n_embd, 0, "blk.%d.attn_norm_2.weight", il)) ||
+                (rc = bind(model, &l->attn_norm_2_b, !!l->attn_norm_2, n_embd, 0, "blk.%d.attn_norm_2.bias", il)) ||
+                (rc = bind(model, &l->wqkv, true, n_embd, n_q + 2 * n_kv, "blk.%d.attn_qkv.weight", il))) {
+                return rc;
+            }
+        }
         if ((rc = bind(model, &l->attn_norm, true,  n_embd, 0,      "blk.%d.attn_norm.weight", il)) ||
-            (rc = bind(model, &l->wq,        true,  n_embd, n_q,    "blk.%d.attn_q.weight", il)) ||
-            (rc = bind(model, &l->wk,        true,  n_embd, n_kv,   "blk.%d.attn_k.weight", il)) ||
-            (rc = bind(model, &l->wv,        true,  n_embd, n_kv,   "blk.%d.attn_v.weight", il)) ||
+            (rc = bind(model, &l->wq,        !falcon, n_embd, n_q,  "blk.%d.attn_q.weight", il)) ||
+            (rc = bind(model, &l->wk,        !falcon, n_embd, n_kv, "blk.%d.attn_k.weight", il)) ||
+            (rc = bind(model, &l->wv,        !falcon, n_embd, n_kv, "blk.%d.attn_v.weight", il)) ||
             (rc = bind(model, &l->wo,        true,  n_q,    n_embd, "blk.%d.attn_output.weight", il)) ||
             (rc = bind(model, &l->bq,        false, n_q,    0,      "blk.%d.attn_q.bias", il)) ||
             (rc = bind(model, &l->bk,        false, n_kv,   0,      "blk.%d.attn_k.bias", il)) ||
             (rc = bind(model, &l->bv,        false, n_kv,   0,      "blk.%d.attn_v.bias", il)) ||
-            (rc = bind(model, &l->ffn_norm,  true,  n_embd, 0,      "blk.%d.ffn_norm.weight", il)) ||
+            (rc = bind(model, &l->ffn_norm,  !falcon, n_embd, 0,    "blk.%d.ffn_norm.weight", il)) ||
             (rc = bind(model, &l->ffn_gate,  false, n_embd, n_ff,   "blk.%d.ffn_gate.weight", il)) ||
             (rc = bind(model, &l->ffn_up,    true,  n_embd, n_ff,   "blk.%d.ffn_up.weight", il)) ||
             (rc = bind(model, &l->ffn_down,  false, n_ff,   n_embd, "blk.%d.ffn_down.weight", il)) ||
@@ -445,7 +460,7 @@ float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, i
 
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.
 static int32_t repack_dense_weights(struct powerinfer_model * model) {
-    const int32_t per_layer = 9;
+    const int32_t per_layer = 10;
     struct ggml_tensor *** w = malloc(sizeof(*w) * ((size_t) per_layer * model->hp.n_layer + 1));
     if (!w) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
@@ -453,6 +468,7 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
     int32_t n = 0;
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
+        w[n++] = &l->wqkv;
         w[n++] = &l->wq;
         w[n++] = &l->wk;
         w[n++] = &l->wv;

@@ -33,6 +33,7 @@ enum pi_arch {
     PI_ARCH_LLAMA,
     PI_ARCH_QWEN2,
     PI_ARCH_BAMBOO, // PowerInfer's Bamboo: llama's layout with dReLU, relu(gate) * relu(up)
+    PI_ARCH_FALCON, // LayerNorm, fused QKV, attention and FFN in parallel from the same input
 };
 
 enum pi_ffn_act {
@@ -64,7 +65,9 @@ struct pi_hparams {
 };
 
 struct pi_layer {
-    struct ggml_tensor * attn_norm;
+    struct ggml_tensor * attn_norm, * attn_norm_b;     // (bias: LayerNorm architectures)
+    struct ggml_tensor * attn_norm_2, * attn_norm_2_b; // falcon-40B: a second norm for attention
+    struct ggml_tensor * wqkv;                         // fused q/k/v (falcon); then wq/wk/wv are NULL
     struct ggml_tensor * wq, * wk, * wv, * wo;
     struct ggml_tensor * bq, * bk, * bv;   // optional (qwen2)
     struct ggml_tensor * ffn_norm;
@@ -136,6 +139,7 @@ struct powerinfer_model {
 
     struct ggml_tensor * tok_embd;
     struct ggml_tensor * output_norm;
+    struct ggml_tensor * output_norm_b;
     struct ggml_tensor * output;    // == tok_embd when the output is tied
     struct pi_layer      layers[PI_MAX_LAYERS];
 

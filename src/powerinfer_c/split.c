@@ -27,7 +27,7 @@
 #include <string.h>
 
 #define PI_DEVICE_MARGIN (512ull << 20)  // kept free on a real device when the budget is automatic
-#define PI_MAX_DENSE     (16 * PI_MAX_LAYERS + 4)
+#define PI_MAX_DENSE     (16 * PI_MAX_LAYERS + 8)
 
 static bool env_flag(const char * name) {
     const char * v = getenv(name);
@@ -93,7 +93,8 @@ static int32_t collect_dense(struct powerinfer_model * model, struct dense_item 
     const int32_t n_layer = model->hp.n_layer;
     for (int32_t il = 0; il < n_layer; ++il, ++g) {
         struct pi_layer * l = &model->layers[il];
-        struct ggml_tensor ** s[] = { &l->attn_norm, &l->wq, &l->wk, &l->wv, &l->wo, &l->bq, &l->bk, &l->bv };
+        struct ggml_tensor ** s[] = { &l->attn_norm, &l->attn_norm_b, &l->attn_norm_2, &l->attn_norm_2_b, &l->wqkv,
+                                      &l->wq, &l->wk, &l->wv, &l->wo, &l->bq, &l->bk, &l->bv };
         for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); ++i) {
             if (*s[i]) items[n++] = (struct dense_item) { s[i], g };
         }
@@ -104,10 +105,11 @@ static int32_t collect_dense(struct powerinfer_model * model, struct dense_item 
             items[n++] = (struct dense_item) { &model->layers[il].fc2, g };
         }
     }
-    for (int32_t il = 0; il < n_layer; ++il, ++g) {
+    for (int32_t il = 0; il < n_layer && model->layers[il].ffn_norm; ++il, ++g) {
         items[n++] = (struct dense_item) { &model->layers[il].ffn_norm, g };
     }
     items[n++] = (struct dense_item) { &model->output_norm, g };
+    if (model->output_norm_b) items[n++] = (struct dense_item) { &model->output_norm_b, g };
     items[n++] = (struct dense_item) { &model->output, g };
     return n;
 }
