@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ._bindings import ffi, lib, last_error
+from ._pipeline import copy_kv
 
 KEY_GATE_THRESHOLDS = "powerinfer.gate_thresholds"
 
@@ -110,12 +111,7 @@ def write_gate_model(src: str, dst: str, taus: np.ndarray, progress: bool = True
     arch = reader.get_field("general.architecture").contents()
     tmp = dst + ".tmp"
     w = gguf.GGUFWriter(tmp, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", KEY_GATE_THRESHOLDS):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    copy_kv(reader, w, skip={KEY_GATE_THRESHOLDS})
     w.add_array(KEY_GATE_THRESHOLDS, [float(t) for t in taus])
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # numpy order, in elements

@@ -208,7 +208,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
            shift: float = 0.0, steps: int = 200, seq_len: int = 256, batch: int = 4, lr: float = 2e-4,
            outtype: str = "f16", checkpoint_dir: Optional[str] = None, checkpoint_every: int = 50,
            resume: bool = False, n_tokens: Optional[int] = None, seed: int = 0, threads: int = 0,
-           progress: bool = True, check: bool = True) -> Dict:
+           progress: bool = True, check: bool = False) -> Dict:
     torch = _torch()
     if act not in ("relu", "drelu"):
         raise PipelineError(f"--act must be relu or drelu, not {act!r}")
@@ -226,11 +226,6 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     if len(tokens) < seq_len + 2:
         raise PipelineError(f"the corpus has {len(tokens)} tokens; need more than --seq-len {seq_len}")
     report: Dict = {"n_corpus_tokens": int(len(tokens))}
-    if check:
-        c = check_against_engine(model_path, tokens[:32].tolist(), hp, weights)
-        report["check_original"] = c
-        print(f"relufy: torch vs engine on the original model, 32 tokens: max |dlogit| {c['max_abs_diff']:.4g} "
-              f"({c['rel_diff']:.2%} of the logit range), top-1 agreement {c['top1_agree']:.0%}", file=sys.stderr)
     torch.manual_seed(seed)
     np.random.seed(seed)
     model = build_model(hp, weights, act=act, shift=shift)
@@ -289,7 +284,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         if progress:
             el = time.time() - t0
             done = step + 1 - start
-            print(f"\rrelufy: step {step + 1}/{steps} loss {float(loss):.3f} ce {float(ce):.3f} l1 {float(l1_term):.3f} "
+            print(f"\rrelufy: step {step + 1}/{steps} loss {loss.item():.3f} ce {float(ce):.3f} l1 {float(l1_term):.3f} "
                   f"sparsity {sp:.1%} {seen / el:.0f} tok/s ~{el / done * (steps - step - 1):.0f}s left   ",
                   end="", file=sys.stderr, flush=True)
         if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
@@ -304,6 +299,12 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
                    "final_sparsity": float(np.mean([h[1] for h in tail])) if tail else None})
     export_gguf(reader, model, out, outtype, progress=False)
     report["out"] = out
+    if check:  # after training: running the engine in this process first slows torch's training threads down
+        del model, opt
+        c = check_against_engine(model_path, tokens[:32].tolist())
+        report["check_original"] = c
+        print(f"relufy: torch vs engine on the original model, 32 tokens: max |dlogit| {c['max_abs_diff']:.4g} "
+              f"({c['rel_diff']:.2%} of the logit range), top-1 agreement {c['top1_agree']:.0%}", file=sys.stderr)
     return report
 
 
@@ -327,7 +328,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-check", action="store_true", help="skip the torch-vs-engine check of the original model")
+    p.add_argument("--check", action="store_true",
+                   help="after training, compare the torch forward pass of the ORIGINAL model with our engine's logits")
     p.add_argument("--report", help="write the run's numbers as JSON here")
 
     def run(argv):
@@ -335,7 +337,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rep = relufy(a.model, a.corpus, a.out, act=a.act, l1=a.l1, shift=a.fatrelu_shift, steps=a.steps,
                      seq_len=a.seq_len, batch=a.batch, lr=a.lr, outtype=a.outtype, checkpoint_dir=a.checkpoint_dir,
                      checkpoint_every=a.checkpoint_every, resume=a.resume, n_tokens=a.n_tokens, seed=a.seed,
-                     threads=a.threads, check=not a.no_check)
+                     threads=a.threads, check=a.check)
         if a.report:
             Path(a.report).write_text(json.dumps(rep, indent=1))
         print(json.dumps(rep, indent=1))

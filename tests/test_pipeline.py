@@ -1,0 +1,269 @@
+"""The offline pipeline (profile -> train-predictor -> convert, relufy) on the tiny synthetic model."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from powerinfer_py import cli, pt_io
+from powerinfer_py._pipeline import KEY_STATS_N_TOKENS, KEY_THRESHOLDS, field, open_gguf, tensor_f32
+from powerinfer_py.convert import convert, permute_qk, unpermute_qk, write_safetensors
+from powerinfer_py.synthetic import PRESETS, generate
+from powerinfer_py.train_predictor import choose_ranks, recall_precision, threshold_for_recall
+
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+        "and darkness was upon the face of the deep. If music be the food of love, play on. ") * 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipe")
+    paths = generate(PRESETS["tiny"], d / "model", progress=False)
+    corpus = d / "corpus.txt"
+    corpus.write_text(TEXT)
+    return {"dir": d, "gguf": paths["dense"], "corpus": str(corpus)}
+
+
+def _llama(path, **kw):
+    from powerinfer_py import Llama
+
+    return Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False, **kw)
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_recall_precision_hand_cases():
+    logits = np.array([[2.0, -1.0, 0.5, -3.0], [0.1, 0.2, -0.2, 1.0]])
+    mask = np.array([[1, 0, 0, 0], [1, 0, 1, 1]], dtype=bool)
+    # > 0 predicts (0,0) (0,2) (1,0) (1,1) (1,3): tp = 3 of 4 positives, 3 of 5 predicted
+    assert recall_precision(logits, mask, 0.0) == (0.75, 0.6)
+    # > -0.5 adds (1,2): all 4 positives, 4 of 6 predicted
+    assert recall_precision(logits, mask, -0.5) == (1.0, 4 / 6)
+    # nothing predicted: precision 1 by convention; no positives: recall 1
+    assert recall_precision(logits, mask, 10.0) == (0.0, 1.0)
+    assert recall_precision(logits, np.zeros_like(mask), 0.0) == (1.0, 0.0)
+
+
+def test_threshold_for_recall_meets_target():
+    rng = np.random.default_rng(0)
+    mask = rng.random((400, 64)) < 0.1
+    logits = rng.standard_normal(mask.shape) + 2.0 * mask  # informative but noisy
+    for target in (0.5, 0.9, 0.95, 0.99, 1.0):
+        t = threshold_for_recall(logits, mask, target)
+        rec, _ = recall_precision(logits, mask, t)
+        assert rec >= target
+        # the largest such threshold: a bit higher loses recall below the target
+        if target < 1.0:
+            higher = np.min(logits[mask][logits[mask] > t])
+            assert recall_precision(logits, mask, higher)[0] < target
+    with pytest.raises(ValueError):
+        threshold_for_recall(logits, mask, 0.0)
+
+
+def test_rank_rule_respects_budget():
+    ranks = choose_ranks([0.05, 0.2, 0.45], n_embd=576, n_ff=1536, budget=3 * 160 * (576 + 1536))
+    assert all(r % 32 == 0 and 32 <= r <= 576 for r in ranks)
+    assert ranks[0] < ranks[1] < ranks[2]  # denser layers get more rank
+    assert sum(ranks) * (576 + 1536) <= 3 * 160 * (576 + 1536)
+    assert choose_ranks([0.1, 0.2], 64, 256, rank=48) == [48, 48]
+    with pytest.raises(ValueError, match="minimum"):
+        choose_ranks([0.1], 64, 256, budget=100)
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_profile_train_convert_generate(tiny, capsys):
+    d = tiny["dir"]
+    prof, pred, out = d / "prof", d / "pred", d / "tiny.powerinfer.gguf"
+    assert cli.main(["profile", tiny["gguf"], "--corpus", tiny["corpus"], "--n-tokens", "1500", "--samples", "800",
+                     "--ctx", "128", "--out", str(prof)]) == 0
+    report = capsys.readouterr().out
+    assert "mean sparsity" in report and "top 10%" in report
+    meta = json.loads((prof / "profile.json").read_text())
+    planted = json.loads((Path(tiny["gguf"]).parent / "tiny-relu.stats.json").read_text())
+    for layer, p in zip(meta["layers"], planted["layers"]):  # the planted ~10% firing rate is what we measure
+        assert abs((1 - layer["sparsity"]) - p["planted_active_frac"]) < 0.05
+    counts = pt_io.read_activation_dir(prof / "activation", n_layer=2)
+    assert counts[0].shape == (256,) and counts[0].sum() > 0 and counts[0].max() <= meta["n_tokens"]
+
+    assert cli.main(["train-predictor", "--samples", str(prof), "--model", tiny["gguf"], "--target-recall", "0.95",
+                     "--out", str(pred)]) == 0
+    tj = json.loads((pred / "thresholds.json").read_text())
+    assert len(tj["sparse_thresholds"]) == 2 and tj["sparse_threshold"] == min(tj["sparse_thresholds"])
+    for layer in tj["layers"]:  # held-out test pairs, thresholds chosen on separate calibration pairs
+        assert layer["recall"] >= 0.90 and layer["precision"] > 0.3
+    fc1, fc2 = pt_io.read_predictor_dir(pred, 2)[0]
+    assert fc1.shape == (32, 64) and fc2.shape == (256, 32)
+
+    assert cli.main(["convert", tiny["gguf"], "--predictors", str(pred), "--stats", str(prof), "--outtype", "q8_0",
+                     "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"PWRI"
+    r = open_gguf(out)
+    names = {t.name for t in r.tensors}
+    assert "blk.0.ffn_down_t.weight" in names and "blk.0.ffn_down.weight" not in names
+    assert {"blk.1.fc1.weight", "blk.1.fc2.weight", "blk.1.ffn_act_count"} <= names
+    assert list(field(r, KEY_THRESHOLDS)) == pytest.approx(tj["sparse_thresholds"])
+    assert field(r, KEY_STATS_N_TOKENS) == meta["n_tokens"]
+    assert field(r, "powerinfer.ffn_activation") == "relu"
+    stats = {t.name: np.array(t.data) for t in r.tensors if t.name.endswith("ffn_act_count")}
+    np.testing.assert_array_equal(stats["blk.0.ffn_act_count"], counts[0].astype(np.float32))
+
+    llm = _llama(out, sparse_mode="predictor")
+    assert llm.sparse_mode_in_use() == "predictor"
+    text = llm.create_completion("In the beginning", max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert isinstance(text, str)
+    dense = _llama(out, sparse_mode="dense")
+    toks = llm.tokenize(b"In the beginning God created")
+    a, b = np.array(llm.compute_logits(toks)), np.array(dense.compute_logits(toks))
+    assert np.corrcoef(a[-1], b[-1])[0, 1] > 0.99  # the predictor keeps the output close to dense
+
+
+# ---------------------------------------------------------------- convert
+
+def _hf_dir_from_gguf(gguf_path, d: Path, n_head=4, n_head_kv=2):
+    """A Hugging Face llama directory holding the synthetic model's weights (q/k un-permuted
+    back to HF's layout) and a small byte-level BPE tokenizer with the same vocabulary size."""
+    r = open_gguf(gguf_path)
+    w = {t.name: tensor_f32(t) for t in r.tensors}
+    n_vocab, n_embd = w["token_embd.weight"].shape
+    hf = {"model.embed_tokens.weight": w["token_embd.weight"], "model.norm.weight": w["output_norm.weight"],
+          "lm_head.weight": w["output.weight"]}
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    for i in range(2):
+        for g, h in names.items():
+            a = w[f"blk.{i}.{g}.weight"]
+            if g == "attn_q":
+                a = unpermute_qk(a, n_head)
+            elif g == "attn_k":
+                a = unpermute_qk(a, n_head_kv)
+            hf[f"model.layers.{i}.{h}.weight"] = a
+    d.mkdir(parents=True, exist_ok=True)
+    half = len(hf) // 2  # two shards, to exercise reading several files
+    items = list(hf.items())
+    write_safetensors(d / "model-00001-of-00002.safetensors", dict(items[:half]))
+    write_safetensors(d / "model-00002-of-00002.safetensors",
+                      {k: v.astype(np.float16) if v.ndim == 2 and "embed" not in k else v for k, v in items[half:]})
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": int(n_embd),
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "hidden_act": "relu", "tie_word_embeddings": False}))
+    # byte-level BPE: the 256 GPT-2 byte symbols, merges up to n_vocab - 3, then 3 specials
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    sym = [chr(c) for c in cs]
+    vocab = {s: i for i, s in enumerate(sym)}
+    merges = []
+    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("i", "n"), ("Ġ", "o"), ("e", "r"), ("o", "n"),
+                 ("a", "n"), ("Ġ", "s")][: n_vocab - 3 - 256]:
+        vocab[a + b] = len(vocab)
+        merges.append(f"{a} {b}")
+    specials = ["<unk>", "<s>", "</s>"]
+    tok = {"model": {"type": "BPE", "vocab": vocab, "merges": merges},
+           "decoder": {"type": "ByteLevel"},
+           "added_tokens": [{"id": len(vocab) + i, "content": s, "special": True} for i, s in enumerate(specials)]}
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    return d
+
+
+def test_permutation_round_trip():
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, 2), 2), w)
+    # HF pairs (i, i + hd/2) become adjacent rows (2i, 2i + 1) within each head
+    p = permute_qk(w, 2)
+    np.testing.assert_array_equal(p[0], w[0])
+    np.testing.assert_array_equal(p[1], w[2])
+
+
+def test_convert_round_trip_safetensors_and_gguf(tiny):
+    d = tiny["dir"]
+    hf = _hf_dir_from_gguf(tiny["gguf"], d / "hf")
+    a_path, b_path = str(d / "from_hf.powerinfer.gguf"), str(d / "from_gguf.powerinfer.gguf")
+    convert(str(hf), a_path, outtype="f16")
+    convert(tiny["gguf"], b_path, outtype="f16")
+    ra, rb = open_gguf(a_path), open_gguf(b_path)
+    ta = {t.name: tensor_f32(t) for t in ra.tensors}
+    tb = {t.name: tensor_f32(t) for t in rb.tensors}
+    assert set(ta) == set(tb)
+    for name in tb:
+        if "ffn_down_t" in name or "attn_k" in name or "attn_norm" in name:
+            np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+    assert field(ra, "tokenizer.ggml.model") == "gpt2" and len(field(ra, "tokenizer.ggml.tokens")) == 269
+    assert field(ra, "tokenizer.ggml.bos_token_id") == 267
+    toks = [267, 40, 72, 101, 33, 260, 70, 90, 45, 12]
+    la = np.array(_llama(a_path, sparse_mode="dense").compute_logits(toks))
+    lb = np.array(_llama(b_path, sparse_mode="dense").compute_logits(toks))
+    np.testing.assert_array_equal(la, lb)  # same weights, same layout, same bits
+    lo = np.array(_llama(tiny["gguf"], sparse_mode="dense").compute_logits(toks))
+    assert np.abs(la - lo).max() < 0.05 * np.abs(lo).max()  # F16 of the F32 original
+    assert _llama(a_path, sparse_mode="gate").sparse_mode_in_use() == "gate"  # ReLU + ffn_down_t: gate-ready
+
+
+def test_convert_errors_leave_input_alone(tiny, tmp_path):
+    src = tiny["gguf"]
+    before = Path(src).read_bytes()
+    with pytest.raises(ValueError, match="must be a new file"):
+        convert(src, src)
+    assert cli.main(["convert", src, "--out", src]) == 1
+    hf = tmp_path / "hf"
+    _hf_dir_from_gguf(src, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported"):
+        convert(str(hf), str(tmp_path / "x.gguf"))
+    (hf / "config.json").write_text(json.dumps(cfg))
+    # a missing tensor: drop the second shard
+    os.remove(hf / "model-00002-of-00002.safetensors")
+    with pytest.raises(ValueError, match="missing tensors"):
+        convert(str(hf), str(tmp_path / "x.gguf"))
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.tmp").exists()
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    shutil.copy(hf / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="safetensors"):
+        convert(str(tmp_path), str(tmp_path / "y.gguf"))
+    with pytest.raises(ValueError, match="model_\\{i\\}.pt"):
+        convert(src, str(tmp_path / "z.gguf"), predictors=str(tmp_path))
+    assert Path(src).read_bytes() == before
+
+
+# ---------------------------------------------------------------- relufy
+
+def test_relufy_torch_forward_matches_engine(tiny):
+    pytest.importorskip("torch")
+    from powerinfer_py.relufy import check_against_engine
+
+    c = check_against_engine(tiny["gguf"], [1, 40, 72, 101, 33, 260, 70, 90, 45, 12, 200, 7] * 3)
+    assert c["top1_agree"] == 1.0 and c["rel_diff"] < 1e-4
+
+
+def test_relufy_checkpoint_resume_and_flow(tiny, tmp_path):
+    pytest.importorskip("torch")
+    out, ck = tmp_path / "relu.gguf", tmp_path / "ck"
+    def args(steps):
+        return ["relufy", tiny["gguf"], "--corpus", tiny["corpus"], "--out", str(out), "--steps", str(steps),
+                "--seq-len", "32", "--batch", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--l1", "0.01"]
+
+    assert cli.main(args(2)) == 0  # 2 steps, then resume to 4
+    assert (ck / "relufy-checkpoint.pt").is_file()
+    assert cli.main(args(4) + ["--resume", "--check", "--report", str(tmp_path / "r.json")]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["start_step"] == 2 and rep["steps"] == 4 and rep["check_original"]["top1_agree"] == 1.0
+    r = open_gguf(out)
+    assert field(r, "powerinfer.ffn_activation") == "relu" and len(field(r, "tokenizer.ggml.tokens")) == 269
+    assert cli.main(["relufy", tiny["gguf"], "--corpus", tiny["corpus"], "--out", str(out), "--act", "drelu",
+                     "--steps", "4", "--seq-len", "32", "--checkpoint-dir", str(ck), "--resume"]) == 1
+    # the exported model runs in our engine and flows into profile
+    assert cli.main(["profile", str(out), "--corpus", tiny["corpus"], "--n-tokens", "300", "--ctx", "64",
+                     "--out", str(tmp_path / "p")]) == 0
+    assert _llama(out).create_completion("In the", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
