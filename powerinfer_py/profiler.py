@@ -2,8 +2,8 @@
 
     powerinfer profile MODEL --corpus FILE... [--n-tokens N] [--samples N] [--out DIR] [--plot PNG]
 
-Runs the model (dense FFN, any GGUF or PowerInfer file the core loads) over the corpus
-in windows of --ctx tokens and counts, per layer and neuron, the tokens on which the
+Runs the model (dense FFN, any GGUF or PowerInfer file the core loads) over --n-tokens
+corpus tokens, in windows of --ctx tokens spread evenly over the corpus, and counts, per layer and neuron, the tokens on which the
 neuron fired (act(gate) > 0; for a ReLU model exactly the neurons whose output is not
 zero). Writes into DIR:
 
@@ -71,9 +71,13 @@ def profile(model_path: str, corpus: Sequence[str], out: str, n_tokens: int = 81
             raise PipelineError(last_error())
         if lib.powerinfer_set_ffn_capture(ctx, True) != 0:
             raise PipelineError(f"the engine cannot capture FFN activations: {last_error()}")
-        tokens = tokenize_texts(model_path, texts, n_tokens)
-        if len(tokens) < 2:
+        corpus_tokens = tokenize_texts(model_path, texts)
+        if len(corpus_tokens) < 2:
             raise PipelineError("the corpus has fewer than 2 tokens")
+        # windows spread evenly over the whole corpus, so every part of it is represented
+        n_win = max(1, min(math.ceil(n_tokens / ctx_len), len(corpus_tokens) // ctx_len))
+        starts = np.linspace(0, max(0, len(corpus_tokens) - ctx_len), n_win).astype(np.int64)
+        tokens = np.concatenate([corpus_tokens[s : s + ctx_len] for s in starts])[:n_tokens]
         n = len(tokens)
         counts = np.zeros((n_layer, n_ff), dtype=np.int64)
         rng = np.random.default_rng(seed)
