@@ -145,6 +145,10 @@ else
     "${PIP[@]}" install "${DEPS[@]}"
     echo "${DEPS[*]}" >"$DEPS_STAMP"
 fi
+# PyTorch (CPU build) for `powerinfer relufy` and its tests: the `pipeline` extra.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+    "${PIP[@]}" install torch==2.13.0 || note "torch==2.13.0 is not installable here: relufy's tests will be skipped"
+fi
 
 # --------------------------------------------------------------------------- the project
 # Reinstall when the build inputs change: build files, C sources, the llama wheel, and
