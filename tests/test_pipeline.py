@@ -267,3 +267,11 @@ def test_relufy_checkpoint_resume_and_flow(tiny, tmp_path):
     assert cli.main(["profile", str(out), "--corpus", tiny["corpus"], "--n-tokens", "300", "--ctx", "64",
                      "--out", str(tmp_path / "p")]) == 0
     assert _llama(out).create_completion("In the", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+
+
+def test_profile_plot(tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curve.png"
+    assert cli.main(["profile", tiny["gguf"], "--corpus", tiny["corpus"], "--n-tokens", "256", "--ctx", "64",
+                     "--out", str(tmp_path / "p"), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
