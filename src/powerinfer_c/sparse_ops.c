@@ -8,7 +8,7 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -201,6 +201,57 @@ static inline float fp16_to_fp32(ggml_fp16_t h) {
 }
 
 // out[0, 32*n_blocks) += a * dequantized blocks, fused (decode: one token per row).
+// The SIMD versions do per element exactly what the scalar loop does with FMA
+// contraction (out = fma(a*d, q, out)), row after row, so results do not depend on
+// which one runs or on how rows are paired.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PI_AXPY_SIMD 1
+static inline __m512 q4_lo(__m128i q) {
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+}
+static inline __m512 q4_hi(__m128i q) {
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+}
+
+// Two rows at once: out += a0 * w0, then += a1 * w1, per element (one pass over out).
+static void axpy2_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict b0, float a0,
+                       const struct pi_block_q4_0 * restrict b1, float a1, int64_t n_blocks) {
+    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
+        const __m512 d0 = _mm512_set1_ps(a0 * fp16_to_fp32(b0[b].d));
+        const __m512 d1 = _mm512_set1_ps(a1 * fp16_to_fp32(b1[b].d));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *) b0[b].qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *) b1[b].qs);
+        __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
+        o0 = _mm512_fmadd_ps(d0, q4_lo(q0), o0);
+        o1 = _mm512_fmadd_ps(d0, q4_hi(q0), o1);
+        o0 = _mm512_fmadd_ps(d1, q4_lo(q1), o0);
+        o1 = _mm512_fmadd_ps(d1, q4_hi(q1), o1);
+        _mm512_storeu_ps(out, o0);
+        _mm512_storeu_ps(out + 16, o1);
+    }
+}
+
+static void axpy_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict blk, int64_t n_blocks, float a) {
+    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
+        const __m512 d = _mm512_set1_ps(a * fp16_to_fp32(blk[b].d));
+        const __m128i q = _mm_loadu_si128((const __m128i *) blk[b].qs);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, q4_lo(q), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, q4_hi(q), _mm512_loadu_ps(out + 16)));
+    }
+}
+
+static void axpy_q8_0(float * restrict out, const struct pi_block_q8_0 * restrict blk, int64_t n_blocks, float a) {
+    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
+        const __m512 d = _mm512_set1_ps(a * fp16_to_fp32(blk[b].d));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *) blk[b].qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *) (blk[b].qs + 16));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(out + 16)));
+    }
+}
+#else
 static void axpy_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict blk, int64_t n_blocks, float a) {
     for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
         const float d = a * fp16_to_fp32(blk[b].d);
@@ -220,6 +271,7 @@ static void axpy_q8_0(float * restrict out, const struct pi_block_q8_0 * restric
         }
     }
 }
+#endif
 
 static void axpy_f32(float * restrict out, const float * restrict w, int64_t n, float a) {
     for (int64_t c = 0; c < n; ++c) {
@@ -255,7 +307,34 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     float * row = to_float ? row_buffer((size_t) len) : NULL;
     GGML_ASSERT(!to_float || row);
     const size_t slice_off = ggml_row_size(wt->type, c0);
-    for (int32_t k = 0; k < n_active; ++k) {
+    int32_t k = 0;
+#ifdef PI_AXPY_SIMD
+    if (n_tok == 1 && fused_q4_0) {
+        // Decode: pairs of rows with a nonzero activation share one pass over the slice.
+        float * out = (float *) dst->data + c0;
+        const struct pi_block_q4_0 * pend = NULL;
+        float apend = 0.0f;
+        for (; k < n_active; ++k) {
+            const int64_t i = idx[1 + k];
+            const float a = *(const float *) ((const char *) h->data + i * h->nb[0]);
+            if (a == 0.0f) {
+                continue;
+            }
+            const struct pi_block_q4_0 * src = (const struct pi_block_q4_0 *) ((const char *) wt->data + i * wt->nb[1] + slice_off);
+            if (!pend) {
+                pend  = src;
+                apend = a;
+                continue;
+            }
+            axpy2_q4_0(out, pend, apend, src, a, len / PI_QK);
+            pend = NULL;
+        }
+        if (pend) {
+            axpy_q4_0(out, pend, len / PI_QK, apend);
+        }
+    }
+#endif
+    for (; k < n_active; ++k) {
         const int64_t i = idx[1 + k];
         const char * src = (const char *) wt->data + i * wt->nb[1] + slice_off;
         const float * w = NULL;
