@@ -4,6 +4,7 @@
     powerinfer train-predictor --samples DIR --out DIR train per-layer predictors
     powerinfer convert INPUT --out OUT.powerinfer.gguf HF dir / GGUF -> PowerInfer GGUF
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf   SiLU -> sparse ReLU (needs torch)
+    powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
 
 `powerinfer COMMAND -h` shows each command's options. Each is also runnable as
 `python -m powerinfer_py.<module>`.
@@ -22,6 +23,7 @@ COMMANDS = {
     "train-predictor": ("powerinfer_py.train_predictor", "train per-layer low-rank activation predictors"),
     "convert": ("powerinfer_py.convert", "HF safetensors dir or GGUF -> PowerInfer GGUF (PWRI)"),
     "relufy": ("powerinfer_py.relufy", "replace SiLU by ReLU and fine-tune for sparsity (needs torch)"),
+    "place": ("powerinfer_py.placement", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
 }
 
 

@@ -332,3 +332,31 @@ def test_bench_hybrid_prints_table(tmp_path, capsys):
         pl = r["powerinfer"]["placement"]
         assert pl["bytes_total"] <= pl["budget"] == r["budget"]
     assert rows[-1]["powerinfer"]["placement"]["n_hot"] > 0  # the whole model's size leaves room for rows
+
+
+def test_place_command_then_cli_reuses_cache(tiny, tmp_path):
+    """`powerinfer place` (which can read .pt counts) writes the cache; `main` with the
+    same budget, context and batch reuses it."""
+    import subprocess
+    import sys
+
+    from powerinfer_py import pt_io
+
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(tiny["tiny-q8"], path)
+    n_ff = PRESETS["tiny-q8"].n_ff
+    counts = [np.arange(n_ff, dtype=np.float32)[::-1].copy() for _ in range(3)]  # neuron 0 hottest
+    pt_io.write_activation_dir(tmp_path / "act", counts)
+    args = ["--vram-budget", "0.0025", "-c", "256", "-b", "32"]
+    out = subprocess.run([sys.executable, "-m", "powerinfer_py.cli", "place", str(path), "--activation",
+                          str(tmp_path / "act"), "--emulate-device", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "FFN neurons on the device" in out.stdout and Path(str(path) + ".generated.gpuidx").exists()
+    cli = Path(__file__).resolve().parent.parent / "build" / "bin" / "main"
+    run = subprocess.run([str(cli), "-m", str(path), "--emulate-device", *args, "-p", "the cat", "-n", "4", "-v"],
+                         capture_output=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert b"from the gpuidx cache" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "powerinfer_py.cli", "place", str(tmp_path / "missing.gguf"),
+                          "--vram-budget", "1"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "no such file" in bad.stderr

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define PI_DEVICE_MARGIN (512ull << 20)  // kept free on a real device when the budget is automatic
 #define PI_MAX_DENSE     (16 * PI_MAX_LAYERS + 8)
@@ -539,7 +540,8 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
             bool have_counts = true;
             uint64_t cap_file = 0;
             sp->from_cache = false;
-            if (attempt == 0 && !model->params.reset_gpu_index && pi_gpuidx_read(model, path, &cap_file, is_hot) == POWERINFER_OK) {
+            if (attempt == 0 && !model->params.reset_gpu_index && access(path, F_OK) == 0 &&
+                pi_gpuidx_read(model, path, &cap_file, is_hot) == POWERINFER_OK) {
                 // Reused only for the same capacity and when its rows fit it.
                 sp->from_cache = cap_file == capacity && ffn_bytes_for(model, is_hot) <= capacity;
                 if (!sp->from_cache) {
