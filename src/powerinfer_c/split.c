@@ -325,10 +325,20 @@ static int32_t place_ffn(struct powerinfer_model * model, uint8_t ** is_hot) {
         if (!stage) {
             goto oom;
         }
-        const struct ggml_tensor * srcs[3] = { l->ffn_up, l->ffn_gate, pred ? l->fc2 : NULL };
+        // Rows as stored in the file: the gate (gate mode) and fc2 may sit in repacked
+        // buffers, whose layout interleaves rows.
+        const struct ggml_tensor * srcs[3] = { original(model, l->ffn_up), l->ffn_gate ? original(model, l->ffn_gate) : NULL,
+                                               pred ? original(model, l->fc2) : NULL };
         struct ggml_tensor *       dsts[3] = { sl->up, sl->gate, sl->fc2 };
         for (int k = 0; k < 3; ++k) {
             if (!dsts[k]) continue;
+            if (!srcs[k]) {
+                free(stage);
+                for (int32_t j = 0; j < n_layer; ++j) free(ids[j]);
+                free(ids);
+                return pi_fail(POWERINFER_ERR_INTERNAL, "layer %d: the file's rows of %s are not available", il,
+                               ggml_get_name(dsts[k]));
+            }
             gather_rows(srcs[k], ids[il], sl->n_hot, stage, sl->n_pad);
             ggml_backend_tensor_set(dsts[k], stage, 0, ggml_nbytes(dsts[k]));
         }
