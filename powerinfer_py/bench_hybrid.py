@@ -147,13 +147,6 @@ def profile_counts(path: str, n_tokens: int, threads: int, out_dir: str) -> str:
 # ---- parent --------------------------------------------------------------------------------
 
 
-def _default_paths() -> Dict[str, str]:
-    from .models import cache_dir
-
-    cache = cache_dir() / "synthetic"
-    return {"dense": str(cache / "relu-7b-shaped.gguf"), "powerinfer": str(cache / "relu-7b-shaped.powerinfer.gguf")}
-
-
 def _run(spec: Dict[str, Any]) -> Dict[str, Any]:
     cmd = [sys.executable, "-m", "powerinfer_py.bench_hybrid", "--child", json.dumps(spec)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,17 +157,14 @@ def _run(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    d = _default_paths()
+    from .bench_sparse import add_pair_arguments
+
     p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench_hybrid", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dense", default=d["dense"], help="standard GGUF (llama-cpp-python)")
-    p.add_argument("--powerinfer", default=d["powerinfer"], help="its PowerInfer twin (predictor mode, hybrid)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--n-gen", type=int, default=128)
+    add_pair_arguments(p, "standard GGUF (llama-cpp-python)", "its PowerInfer twin (predictor mode, hybrid)")
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="fractions of the model's size")
     p.add_argument("--emulate", choices=("auto", "yes", "no"), default="auto",
                    help="emulate the device in host memory (auto: when ggml has no GPU backend)")
     p.add_argument("--profile-tokens", type=int, default=64)
-    p.add_argument("--json", help="also write the results here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

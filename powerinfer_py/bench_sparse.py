@@ -149,14 +149,20 @@ def measure_bandwidth(threads: int, n_bytes: int = 1 << 30) -> float:
     return best
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def add_pair_arguments(p: argparse.ArgumentParser, dense_help: str, powerinfer_help: str) -> None:
+    """The model pair, threads, decoded tokens and --json: shared with bench_hybrid."""
     d = _default_paths()
-    p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench_sparse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dense", default=d["dense"], help="standard GGUF (llama-cpp-python and our dense mode)")
-    p.add_argument("--powerinfer", default=d["powerinfer"], help="its PowerInfer twin (gate and predictor modes)")
+    p.add_argument("--dense", default=d["dense"], help=dense_help)
+    p.add_argument("--powerinfer", default=d["powerinfer"], help=powerinfer_help)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--json", help="also write the results here")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench_sparse", description=__doc__.split("\n\n")[0])
+    add_pair_arguments(p, "standard GGUF (llama-cpp-python and our dense mode)",
+                       "its PowerInfer twin (gate and predictor modes)")
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

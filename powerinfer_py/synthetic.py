@@ -159,6 +159,22 @@ class _Layer:
         self.fc2[:, : 2 * a.shape[0]] = np.concatenate([bmat, -bmat], axis=1)
 
 
+def _finish(writers, paths: Dict[str, str], progress: bool, name: str) -> None:
+    """Writes each GGUFWriter to its .tmp file, stamps the PowerInfer twin's magic, and
+    moves both into place (a reader never sees a half-written model)."""
+    for kind, w in writers.items():
+        if progress:
+            print(f"{name}: writing {paths[kind]}", file=sys.stderr, flush=True)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=progress)
+        w.close()
+    with open(paths["powerinfer"] + ".tmp", "r+b") as f:
+        f.write(PWRI_MAGIC)
+    for path in paths.values():
+        os.replace(path + ".tmp", path)
+
+
 def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -> Dict[str, str]:
     """Writes <name>.gguf (standard) and <name>.powerinfer.gguf (PWRI twin) into out_dir;
     returns their paths and a stats JSON path."""
@@ -246,17 +262,7 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
     if progress:
         print(file=sys.stderr)
 
-    for kind, w in writers.items():
-        if progress:
-            print(f"{spec.name}: writing {paths[kind]}", file=sys.stderr, flush=True)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=progress)
-        w.close()
-    with open(paths["powerinfer"] + ".tmp", "r+b") as f:
-        f.write(PWRI_MAGIC)
-    for path in paths.values():
-        os.replace(path + ".tmp", path)
+    _finish(writers, paths, progress, spec.name)
     paths["stats"] = str(out / f"{spec.name}.stats.json")
     with open(paths["stats"], "w") as f:
         json.dump(stats, f, indent=1)
@@ -301,6 +307,7 @@ def generate_falcon(out_dir: os.PathLike, n_embd: int = 64, n_ff: int = 256, n_l
         pred[b + "fc2.weight"] = np.concatenate([m, -m], axis=1).astype(np.float32)
         counts[b + "ffn_act_count"] = ((resid @ m.T) > 0).sum(axis=0).astype(np.float32)
     paths = {"dense": str(out / "tiny-falcon.gguf"), "powerinfer": str(out / "tiny-falcon.powerinfer.gguf")}
+    writers = {}
     for kind, path in paths.items():
         w = gguf.GGUFWriter(path + ".tmp", "falcon")
         w.add_name("tiny-falcon")
@@ -330,14 +337,8 @@ def generate_falcon(out_dir: os.PathLike, n_embd: int = 64, n_ff: int = 256, n_l
         if kind == "powerinfer":
             for name, arr in {**pred, **counts}.items():
                 w.add_tensor(name, arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=False)
-        w.close()
-    with open(paths["powerinfer"] + ".tmp", "r+b") as f:
-        f.write(PWRI_MAGIC)
-    for path in paths.values():
-        os.replace(path + ".tmp", path)
+        writers[kind] = w
+    _finish(writers, paths, False, "tiny-falcon")
     return paths
 
 

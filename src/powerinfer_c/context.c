@@ -74,17 +74,7 @@ struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * 
 }
 
 static int32_t reserve_compute(struct powerinfer_context * ctx) {
-    struct pi_graph_params gp = {
-        .n_tokens   = (int32_t) ctx->params.n_batch,
-        .n_kv       = (int32_t) ctx->kv.size,
-        .n_outputs  = (int32_t) ctx->params.n_batch,
-        .flash_attn = ctx->params.flash_attn,
-        .sparse_max_batch = ctx->params.sparse_max_batch,
-        .sparse     = ctx->sparse,
-    };
-    struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
-    struct ggml_cgraph * gf = build_chunk(ctx, &gp, &in);
-    ctx->last.valid = false;  // the graph memory now holds this one
+    struct ggml_cgraph * gf = pi_context_build_reserve_graph(ctx);
     if (!gf || !ggml_gallocr_reserve(ctx->galloc, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve compute buffers for n_batch=%u, n_ctx=%u",
                        ctx->params.n_batch, ctx->kv.size);

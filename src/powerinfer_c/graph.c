@@ -13,6 +13,12 @@ static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_te
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+static struct ggml_tensor * build_rope(struct ggml_context * ctx, struct ggml_tensor * x, const struct pi_hparams * hp,
+                                       const struct pi_graph_inputs * in) {
+    return ggml_rope_ext(ctx, x, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
+                         hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
 // LayerNorm with learned scale and bias (llama.cpp's order: norm, * w, + b).
 static struct ggml_tensor * build_layer_norm(struct ggml_context * ctx, struct ggml_tensor * x,
                                              struct ggml_tensor * w, struct ggml_tensor * b, float eps) {
@@ -281,10 +287,8 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * k = ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1], es * n_q);
         struct ggml_tensor * v = ggml_cont(ctx, ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1],
                                                              es * (n_q + n_kv)));
-        q = ggml_rope_ext(ctx, q, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        k = ggml_rope_ext(ctx, k, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        q = build_rope(ctx, q, hp, in);
+        k = build_rope(ctx, k, hp, in);
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = ggml_mul_mat(ctx, l->wo, cur);
         if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
@@ -313,10 +317,8 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = ggml_reshape_3d(ctx, k, head, hp->n_head_kv, n_tokens);
         v = ggml_reshape_3d(ctx, v, head, hp->n_head_kv, n_tokens);
 
-        q = ggml_rope_ext(ctx, q, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        k = ggml_rope_ext(ctx, k, in->pos, NULL, hp->n_rot, hp->rope_type, hp->n_ctx_train,
-                          hp->rope_freq_base, hp->rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        q = build_rope(ctx, q, hp, in);
+        k = build_rope(ctx, k, hp, in);
 
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = ggml_mul_mat(ctx, l->wo, cur);
