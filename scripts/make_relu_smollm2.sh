@@ -15,7 +15,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY=$ROOT/.venv/bin/python
 [ -x "$PY" ] || ./scripts/setup.sh
-STEPS=${STEPS:-200} THREADS=${THREADS:-1} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4} L1=${L1:-0.02} LR=${LR:-5e-4}
+STEPS=${STEPS:-200} STEPS2=${STEPS2:-300} THREADS=${THREADS:-1} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
+L1=${L1:-0.015} L1_2=${L1_2:-0.005} LR=${LR:-5e-4}
 N_PROFILE=${N_PROFILE:-24576} SAMPLES=${SAMPLES:-12000} RECALL=${RECALL:-0.95} OUTTYPE=${OUTTYPE:-q8_0}
 export N_EVAL=${N_EVAL:-200}
 
@@ -34,12 +35,20 @@ declare -A WALL
 step() { local name=$1; shift; local t=$(date +%s); echo "==> $name" >&2; "$@"; WALL[$name]=$(( $(date +%s) - t )); }
 
 step corpus "$PY" scripts/relu_smollm2.py corpus "$WORK/corpus"
+relufy_phase() {  # steps l1 report [--resume]
+    nice -n 10 "$PY" -m powerinfer_py.cli relufy "$ORIG" --corpus "$WORK/corpus/train.txt" \
+        --out "$WORK/relu-smollm2.gguf" --act relu --l1 "$2" --lr "$LR" --steps "$1" --seq-len "$SEQ_LEN" \
+        --batch "$BATCH" --outtype f16 --checkpoint-dir "$WORK/ckpt" --checkpoint-every 25 --threads "$THREADS" \
+        --report "$3" "${@:4}"
+}
 RESUME=()
 [ -f "$WORK/ckpt/relufy-checkpoint.pt" ] && RESUME=(--resume)
-step relufy nice -n 10 "$PY" -m powerinfer_py.cli relufy "$ORIG" --corpus "$WORK/corpus/train.txt" \
-    --out "$WORK/relu-smollm2.gguf" --act relu --l1 "$L1" --lr "$LR" --steps "$STEPS" --seq-len "$SEQ_LEN" \
-    --batch "$BATCH" --outtype f16 --checkpoint-dir "$WORK/ckpt" --checkpoint-every 25 --threads "$THREADS" --check --report "$WORK/relufy.json" \
-    "${RESUME[@]}"
+step relufy relufy_phase "$STEPS" "$L1" "$WORK/relufy-1.json" "${RESUME[@]}"
+if [ "$STEPS2" -gt "$STEPS" ]; then
+    step relufy-2 relufy_phase "$STEPS2" "$L1_2" "$WORK/relufy.json" --resume --check
+else
+    cp "$WORK/relufy-1.json" "$WORK/relufy.json"
+fi
 step profile nice -n 10 "$PY" -m powerinfer_py.cli profile "$WORK/relu-smollm2.gguf" --corpus "$WORK/corpus/train.txt" \
     --n-tokens "$N_PROFILE" --samples "$SAMPLES" --out "$WORK/profile"
 step profile-heldout nice -n 10 "$PY" -m powerinfer_py.cli profile "$WORK/relu-smollm2.gguf" \
@@ -50,7 +59,7 @@ step convert nice -n 10 "$PY" -m powerinfer_py.cli convert "$WORK/relu-smollm2.g
     --stats "$WORK/profile" --outtype "$OUTTYPE" --out "$WORK/ReLU-SmolLM2-135M.powerinfer.gguf"
 {
     echo "{"
-    for k in corpus relufy profile profile-heldout train-predictor convert; do echo "\"$k\": ${WALL[$k]},"; done
+    for k in corpus relufy relufy-2 profile profile-heldout train-predictor convert; do [ -n "${WALL[$k]:-}" ] && echo "\"$k\": ${WALL[$k]},"; done
     echo "\"total before evaluation\": $(( $(date +%s) - T_ALL ))"
     echo "}"
 } > "$WORK/wall.json"

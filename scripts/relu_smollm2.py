@@ -106,10 +106,14 @@ def report(work: str, original: str) -> None:
     o = rows["original SmolLM2 (llama-cpp-python)"][0]
     d = rows["ReLU-SmolLM2 dense"][0]
     p = rows["ReLU-SmolLM2 predictor"][0]
+    phases = [json.loads(p.read_text()) for p in (w / "relufy-1.json", w / "relufy.json") if p.is_file()]
+    if len(phases) == 2 and phases[0] == phases[1]:
+        phases = phases[:1]
     lines = ["# ReLU-SmolLM2-135M report", "",
-             f"relufy: {relufy_rep['steps']} steps, {relufy_rep['tokens_trained']} training tokens, "
-             f"{relufy_rep['train_wall_s'] / 60:.1f} min of training; torch-vs-engine check of the original: "
-             f"{json.dumps(relufy_rep.get('check_original'))}", "",
+             "relufy: " + "; ".join(f"steps {r['start_step']}-{r['steps']}: {r['tokens_trained']} tokens, "
+                                    f"{r['train_wall_s'] / 60:.1f} min, final sparsity {r['final_sparsity']:.1%}"
+                                    for r in phases)
+             + f". Torch-vs-engine check of the original: {json.dumps(relufy_rep.get('check_original'))}", "",
              f"## Activation sparsity per layer (held-out text, {prof['n_tokens']} tokens)", "",
              f"mean {prof['mean_sparsity']:.1%} (target >= 80%)", "",
              "| layer | " + " | ".join(str(l["layer"]) for l in prof["layers"]) + " |",
