@@ -2,7 +2,7 @@
 
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf [--act relu|drelu]
         [--l1 COEF] [--fatrelu-shift S] [--steps N] [--seq-len L] [--batch B]
-        [--checkpoint-dir D] [--resume]
+        [--checkpoint-dir D] [--resume] [--check]
 
 The model (a llama-architecture GGUF, any weight type: dequantized with gguf) is
 rebuilt in PyTorch exactly as the engine computes it: RMSNorm, RoPE in ggml's normal
@@ -15,6 +15,8 @@ averaged over layers; its coefficient ramps up linearly over the first quarter o
 steps, as ProSparse does progressively), the token embedding (and the tied
 output) frozen. Progress (step, loss, sparsity, tokens/s) goes to stderr, a checkpoint
 is written every --checkpoint-every steps, and --resume continues from the last one.
+--check then compares the torch forward pass of the ORIGINAL model with our engine's
+logits on 32 corpus tokens (this catches RoPE/permutation layout errors).
 
 The result is a standard GGUF (F16 or Q8_0) with every key of the input (tokenizer
 included) and `powerinfer.ffn_activation = relu` (with a FATReLU shift S, also
