@@ -286,7 +286,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         if progress:
             el = time.time() - t0
             done = step + 1 - start
-            print(f"\rrelufy: step {step + 1}/{steps} loss {loss.item():.3f} ce {float(ce):.3f} l1 {float(l1_term):.3f} "
+            print(f"\rrelufy: step {step + 1}/{steps} loss {loss.item():.3f} ce {ce.item():.3f} l1 {l1_term.item():.3f} "
                   f"sparsity {sp:.1%} {seen / el:.0f} tok/s ~{el / done * (steps - step - 1):.0f}s left   ",
                   end="", file=sys.stderr, flush=True)
         if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
