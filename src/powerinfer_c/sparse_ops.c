@@ -8,7 +8,7 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -120,6 +120,25 @@ struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tens
     return ggml_custom_4d(ctx, type, x->ne[0], x->ne[1], 1, 1, args, 1, convert_rows_op, GGML_N_TASKS_MAX, NULL);
 }
 
+// Software prefetch of the next active row while the current one is computed: the rows
+// of a sparse op are scattered, so the hardware prefetchers, which follow streams inside
+// a page, restart cold at every row.
+#ifndef PI_PREFETCH_ROWS
+#define PI_PREFETCH_ROWS 1
+#endif
+#ifndef PI_PREFETCH_HINT
+#define PI_PREFETCH_HINT _MM_HINT_T0
+#endif
+static inline void prefetch_row(const char * p, size_t n) {
+#if defined(__SSE__) && PI_PREFETCH_ROWS > 0
+    for (size_t o = 0; o < n; o += 64) {
+        _mm_prefetch(p + o, PI_PREFETCH_HINT);
+    }
+#else
+    (void) p; (void) n;
+#endif
+}
+
 // Entries [k0, k1) of the active list (1-based positions in idx) handled by thread ith.
 static void split_active(int32_t n_active, int ith, int nth, int32_t * k0, int32_t * k1) {
     *k0 = (int32_t) ((int64_t) n_active * ith / nth);
@@ -148,6 +167,9 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
         int64_t r = r0;
         for (int32_t k = k0; k < k1; ++k) {
             const int64_t i = idx[1 + k];
+            if (k + PI_PREFETCH_ROWS < k1 && PI_PREFETCH_ROWS > 0) {
+                prefetch_row((const char *) w->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * w->nb[1], w->nb[1]);
+            }
             if (i > r) {
                 memset(out + r, 0, (size_t) (i - r) * sizeof(float));
             }
@@ -314,8 +336,13 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
         float * out = (float *) dst->data + c0;
         const struct pi_block_q4_0 * pend = NULL;
         float apend = 0.0f;
+        const size_t slice_bytes = ggml_row_size(wt->type, len);
         for (; k < n_active; ++k) {
             const int64_t i = idx[1 + k];
+            if (k + 2 * PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {  // rows go in pairs
+                prefetch_row((const char *) wt->data + (size_t) idx[1 + k + 2 * PI_PREFETCH_ROWS] * wt->nb[1] + slice_off,
+                             slice_bytes);
+            }
             const float a = *(const float *) ((const char *) h->data + i * h->nb[0]);
             if (a == 0.0f) {
                 continue;
@@ -336,6 +363,10 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
 #endif
     for (; k < n_active; ++k) {
         const int64_t i = idx[1 + k];
+        if (k + PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {
+            prefetch_row((const char *) wt->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * wt->nb[1] + slice_off,
+                         ggml_row_size(wt->type, len));
+        }
         const char * src = (const char *) wt->data + i * wt->nb[1] + slice_off;
         const float * w = NULL;
         for (int64_t t = 0; t < n_tok; ++t) {
