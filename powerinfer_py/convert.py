@@ -263,8 +263,8 @@ def convert(src: str, out: str, predictors: Optional[str] = None, stats: Optiona
         arch, hp, gen, keys = _gguf_source(src)
     L, E, Fn = hp["n_layer"], hp["n_embd"], hp["n_ff"]
     act = activation or hp["activation"]
-    if act not in ("silu", "relu", "gelu"):
-        raise PipelineError(f"activation {act!r} is not one the engine runs (silu, relu, gelu)")
+    if act not in ("silu", "relu", "gelu", "drelu"):
+        raise PipelineError(f"activation {act!r} is not one the engine runs (silu, relu, gelu, drelu)")
 
     preds, thr, thrs = None, None, None
     if predictors:
@@ -356,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--predictors", help="predictor directory (model_{i}.pt)")
     p.add_argument("--stats", help="profile output dir, stats.gguf or activation/ dir")
     p.add_argument("--outtype", choices=("f16", "q8_0", "q4_0", "f32"), default="f16")
-    p.add_argument("--activation", choices=("silu", "relu", "gelu"), help="override the FFN activation key")
+    p.add_argument("--activation", choices=("silu", "relu", "gelu", "drelu"), help="override the FFN activation key")
     p.add_argument("--tokenizer-pre", default="default",
                    help="llama.cpp pre-tokenizer name for a BPE tokenizer.json (default: 'default')")
 
