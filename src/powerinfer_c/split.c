@@ -148,9 +148,14 @@ static int32_t place_dense(struct powerinfer_model * model, struct dense_item * 
         struct ggml_tensor * t = *items[i].slot;
         const struct ggml_tensor * o = original(model, t);
         ggml_backend_tensor_set(copies[i], o->data, 0, ggml_nbytes(o));
-        // The host copy is no longer read (the token embeddings stay, for get_rows).
+        // The host copies are no longer read (the token embeddings stay, for get_rows):
+        // the file's pages, and a repacked copy's pages (never touched again, so giving
+        // them back is safe).
         if (t != model->tok_embd) {
             pi_release_mapped_range(o->data, ggml_nbytes(o));
+            if (t->data != o->data) {
+                pi_release_mapped_range(t->data, ggml_nbytes(t));
+            }
         }
         *items[i].slot = copies[i];
     }
