@@ -9,7 +9,8 @@ engine runs it in dense mode, and the PowerInfer twin in gate and predictor mode
 Each run is its own subprocess (so peak RSS is its own): load, a 16-token prompt, then
 n_gen greedy tokens one at a time. The table also shows the active-neuron fraction, the
 weight bytes each token reads and that rate against the machine's measured memory
-bandwidth.
+bandwidth. A second table runs each of our modes interleaved with llama-cpp-python
+(one process, decode steps alternating), which cancels the machine's bandwidth drift.
 """
 
 from __future__ import annotations
@@ -130,6 +131,30 @@ def run_child(engine: str, path: str, mode: Optional[str], threads: int, n_gen: 
     }
 
 
+def run_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int) -> Dict[str, Any]:
+    """llama-cpp-python and one of our modes in one process, decode steps alternating, so
+    both see the same memory bandwidth at every moment (this machine's drifts by ~30%
+    from minute to minute). Each follows its own greedy tokens."""
+    import llama_cpp
+
+    from powerinfer_py import Llama
+
+    ref = llama_cpp.Llama(model_path=dense_path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ours = Llama(model_path=path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, sparse_mode=mode,
+                 verbose=False)
+    ref.eval(ref.tokenize(PROMPT))
+    ours.eval(ours.tokenize(PROMPT))
+    t_ref = t_ours = 0.0
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        ref.eval([int(np.argmax(ref._scores[-1]))])
+        t_ref += time.perf_counter() - t
+        t = time.perf_counter()
+        ours.eval([int(np.argmax(ours._last_logits_view()))])
+        t_ours += time.perf_counter() - t
+    return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours}
+
+
 # ---- parent ----------------------------------------------------------------------------
 
 
@@ -164,8 +189,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_pair_arguments(p, "standard GGUF (llama-cpp-python and our dense mode)",
                        "its PowerInfer twin (gate and predictor modes)")
     p.add_argument("--repeat", type=int, default=1, help="rounds over all runs; each row keeps its best (default 1)")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="skip the interleaved pairs (each mode against llama-cpp-python step by step)")
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--pair", nargs=2, metavar=("PATH", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.pair:
+        print(RESULT + json.dumps(run_pair(args.dense, args.pair[0], args.pair[1], args.threads, args.n_gen)), flush=True)
+        return 0
     if args.child:
         engine, path, mode = args.child
         res = run_child(engine, path, None if mode == "-" else mode, args.threads, args.n_gen)
@@ -195,6 +226,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             res = dict(label=label, **json.loads(line[len(RESULT):]))
             if rows[j] is None or res["decode_tok_s"] > rows[j]["decode_tok_s"]:
                 rows[j] = res
+    pairs: Dict[str, Dict[str, Any]] = {}
+    for label, engine, kind, mode in RUNS[1:] if not args.no_interleave else []:
+        print(f"interleaved with llama-cpp-python: {label} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "powerinfer_py.bench_sparse", "--threads", str(args.threads), "--n-gen",
+               str(args.n_gen), "--dense", args.dense, "--pair", getattr(args, kind), mode]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((l for l in out.stdout.splitlines() if l.startswith(RESULT)), None)
+        if out.returncode != 0 or line is None:
+            print(f"error: interleaved {label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        pairs[label] = json.loads(line[len(RESULT):])
     # After the children: a child's peak RSS would otherwise include this array
     # (Linux carries the parent's high-water mark across fork and exec).
     bw = measure_bandwidth(args.threads)
@@ -209,9 +251,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         rate = r["bytes_per_token"] * r["decode_tok_s"]
         print(f"| {r['label']} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / ref:.2f}x | {100 * r['active']:.1f}% | "
               f"{r['bytes_per_token'] / 2**30:.2f} GiB | {rate / 1e9:.1f} | {100 * rate / bw:.0f}% | {r['peak_rss_mib']:.0f} MiB |")
+    if pairs:
+        print("\nInterleaved (one process per pair, decode steps alternating with llama-cpp-python):\n")
+        print("| engine / mode | decode tok/s | llama-cpp-python tok/s, same steps | ratio |")
+        print("|---|---|---|---|")
+        for label, r in pairs.items():
+            print(f"| {label} | {r['ours_tok_s']:.2f} | {r['ref_tok_s']:.2f} | {r['ours_tok_s'] / r['ref_tok_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bw, "rows": rows}, f, indent=1)
+            json.dump({"bandwidth": bw, "rows": rows, "interleaved": pairs}, f, indent=1)
     return 0
 
 
