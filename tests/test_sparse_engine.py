@@ -306,3 +306,12 @@ def test_python_llama_runs_sparse_modes(tiny):
         Llama(tiny["tiny"]["dense"], verbose=False, sparse_mode="gate", fallback=False)
     with pytest.raises(ValueError, match="sparse_mode"):
         Llama(path, verbose=False, sparse_mode="fast")
+
+
+def test_bench_interleaved_pair_runs(tiny):
+    """bench_sparse's interleaved measurement (both engines in one process) on a tiny pair."""
+    from powerinfer_py import bench_sparse
+
+    paths = tiny["tiny-q8"]
+    r = bench_sparse.run_pair(paths["dense"], paths["powerinfer"], "predictor", 2, 4)
+    assert r["ref_tok_s"] > 0 and r["ours_tok_s"] > 0
