@@ -121,7 +121,7 @@ static const struct ggml_tensor * original(const struct powerinfer_model * model
     return o && o->data && o->type == t->type && ggml_nbytes(o) == ggml_nbytes(t) ? o : NULL;
 }
 
-// Copies the first n_items of items to the device; returns the bytes used.
+// Copies the first n_items of items to the device (sets sp->bytes_dense).
 static int32_t place_dense(struct powerinfer_model * model, struct dense_item * items, int32_t n_items) {
     struct pi_split * sp = &model->split;
     if (n_items == 0) {
@@ -594,7 +594,12 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
             // The compute buffers grew with the FFN rows: give up the excess and solve again.
             const uint64_t excess = split_total(sp) - sp->budget;
             pi_log(POWERINFER_LOG_INFO, "%s: %.2f MiB over the budget, shrinking the FFN share\n", tag, excess / 1048576.0);
-            const uint64_t cut = excess + group_cost(model, 0) + sp->bytes_ffn - ffn_bytes_for(model, (uint8_t * const *) is_hot);
+            // What the solver counted for the placed sets; the buffer's size above it is alignment.
+            uint64_t est = 0;
+            for (int32_t il = 0; il < n_layer; ++il) {
+                est += (uint64_t) ((sp->layers[il].n_hot + PI_SPLIT_GROUP - 1) / PI_SPLIT_GROUP) * group_cost(model, il);
+            }
+            const uint64_t cut = excess + group_cost(model, 0) + (sp->bytes_ffn > est ? sp->bytes_ffn - est : 0);
             capacity = capacity > cut ? capacity - cut : 0;
             free_ffn(sp, n_layer);
             for (int32_t il = 0; il < n_layer; ++il) {
