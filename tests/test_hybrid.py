@@ -28,7 +28,8 @@ def tiny(tmp_path_factory):
     return {name: generate(PRESETS[name], out, progress=False)["powerinfer"] for name in ("tiny", "tiny-q8")}
 
 
-def _load(path, mode="predictor", budget=None, emulate=False, **kw):
+def _load(path, mode="predictor", budget=0.0, emulate=False, **kw):
+    # budget 0: nothing on a device (None would mean automatic: a real GPU's free memory)
     # n_batch 32: compute buffers small next to a tiny model's FFN rows, so shares are meaningful
     return Llama(model_path=str(path), n_ctx=256, n_batch=32, n_threads=2, sparse_mode=mode, vram_budget=budget,
                  emulate_device=emulate, verbose=False, **kw)
@@ -130,6 +131,13 @@ def test_hot_set_is_most_active_neurons(tiny, tmp_path):
     llm.close()
 
 
+def _has_gpu() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this ggml has a GPU backend")
 def test_no_device_runs_on_cpu(tiny, capfd):
     llm = Llama(model_path=tiny["tiny"], n_ctx=256, vram_budget=4, verbose=True)
     p = llm.placement()
@@ -286,12 +294,6 @@ def test_pickle_payload_refused(tiny, tmp_path):
 
 
 # ---- a real device (scripts/gpu_check.sh); skipped where ggml has no GPU backend ----------
-
-def _has_gpu() -> bool:
-    import llama_cpp
-
-    return bool(llama_cpp.llama_supports_gpu_offload())
-
 
 @pytest.mark.skipif(not _has_gpu(), reason="the installed ggml has no GPU backend")
 @pytest.mark.parametrize("name", ["tiny", "tiny-q8"])
