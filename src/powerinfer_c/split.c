@@ -261,8 +261,9 @@ static void gather_rows(const struct ggml_tensor * src, const int32_t * ids, int
     memset(dst + (size_t) k * rs, 0, (size_t) (n_pad - k) * rs);
 }
 
-// Copies the chosen rows into compact device tensors (one bulk copy per tensor).
-static int32_t place_ffn(struct powerinfer_model * model, uint8_t ** is_hot) {
+// Copies the chosen rows into compact device tensors (one bulk copy per tensor); the
+// split keeps its own copy of each non-empty mask.
+static int32_t place_ffn(struct powerinfer_model * model, uint8_t * const * is_hot) {
     struct pi_split * sp = &model->split;
     const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
     const int64_t n_embd = model->hp.n_embd;
@@ -278,14 +279,15 @@ static int32_t place_ffn(struct powerinfer_model * model, uint8_t ** is_hot) {
     for (int32_t il = 0; il < n_layer; ++il) {
         struct pi_split_layer * sl = &sp->layers[il];
         const struct pi_layer * l = &model->layers[il];
-        sl->is_hot = is_hot[il];
-        is_hot[il] = NULL;  // owned by the split now
-        for (int32_t i = 0; i < n_ff; ++i) sl->n_hot += sl->is_hot[i];
+        for (int32_t i = 0; i < n_ff; ++i) sl->n_hot += is_hot[il][i];
         if (sl->n_hot == 0) {
-            free(sl->is_hot);
-            sl->is_hot = NULL;
             continue;
         }
+        sl->is_hot = malloc((size_t) n_ff);
+        if (!sl->is_hot) {
+            goto oom;
+        }
+        memcpy(sl->is_hot, is_hot[il], (size_t) n_ff);
         ++n_split_layers;
         sl->n_pad = (sl->n_hot + PI_SPLIT_GROUP - 1) / PI_SPLIT_GROUP * PI_SPLIT_GROUP;
         ids[il] = malloc(sizeof(int32_t) * (size_t) sl->n_hot);
@@ -404,19 +406,37 @@ static int32_t make_sched(struct powerinfer_context * ctx) {
     return ctx->sched ? POWERINFER_OK : pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the backend scheduler");
 }
 
-// Compute-buffer bytes on the device for the largest graph of this context.
-static int32_t measure_compute(struct powerinfer_context * ctx, struct ggml_cgraph * (*build)(struct powerinfer_context *),
-                               uint64_t * bytes) {
-    struct ggml_cgraph * gf = build(ctx);
+struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * ctx);
+
+// A scheduler for what is placed now, and its device compute-buffer bytes for the
+// largest graph of this context (sp->bytes_compute).
+static int32_t remeasure(struct powerinfer_context * ctx) {
+    if (ctx->sched) {
+        ggml_backend_sched_free(ctx->sched);
+        ctx->sched = NULL;
+    }
+    int32_t rc = make_sched(ctx);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    struct ggml_cgraph * gf = pi_context_build_reserve_graph(ctx);
     if (!gf || !ggml_backend_sched_reserve(ctx->sched, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve the compute buffers");
     }
     ggml_backend_t dev = ctx->model->split.backend ? ctx->model->split.backend : ctx->backend;
-    *bytes = ggml_backend_sched_get_buffer_size(ctx->sched, dev);
+    ctx->model->split.bytes_compute = ggml_backend_sched_get_buffer_size(ctx->sched, dev);
     return POWERINFER_OK;
 }
 
-struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * ctx);
+// Re-creates the context's KV cache in buft (NULL: host memory); contents are not kept
+// (placement happens before the first decode).
+static int32_t move_kv(struct powerinfer_context * ctx, ggml_backend_buffer_type_t buft) {
+    const bool v_trans = ctx->kv.v_trans;
+    const uint32_t size = ctx->kv.size;
+    pi_kv_cache_free(&ctx->kv);
+    ctx->last.valid = false;
+    return pi_kv_cache_init(&ctx->kv, ctx->model, size, v_trans, buft);
+}
 
 static uint64_t split_total(const struct pi_split * sp) {
     return sp->bytes_dense + sp->bytes_kv + sp->bytes_compute + sp->bytes_ffn;
@@ -449,10 +469,10 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
     }
     sp->decided = true;
     const int64_t exact = model->params.vram_budget_bytes;
-    const float gib = exact > 0 ? 1.0f : model->params.vram_budget_gib;
+    const float gib = model->params.vram_budget_gib;
     const bool emulate = model->params.emulate_device || env_flag("POWERINFER_EMULATE_DEVICE");
-    if (gib == 0.0f && !emulate) {
-        return POWERINFER_OK;
+    if (exact <= 0 && gib == 0.0f && !emulate) {
+        return POWERINFER_OK;  // no device wanted
     }
     find_device(sp, emulate);
     if (!sp->buft) {
@@ -510,22 +530,18 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
     // 5: the KV cache.
     const uint64_t kv_bytes = ggml_backend_buffer_get_size(ctx->kv.buf);
     if (rc == POWERINFER_OK && dense_all && sp->bytes_dense + kv_bytes + c_est + slack <= sp->budget) {
-        const bool v_trans = ctx->kv.v_trans;
-        const uint32_t size = ctx->kv.size;
-        pi_kv_cache_free(&ctx->kv);
-        rc = pi_kv_cache_init(&ctx->kv, model, size, v_trans, sp->buft);
+        rc = move_kv(ctx, sp->buft);
         if (rc == POWERINFER_OK) {
             sp->bytes_kv = ggml_backend_buffer_get_size(ctx->kv.buf);
         } else {
-            pi_kv_cache_init(&ctx->kv, model, size, v_trans, NULL);
+            rc = move_kv(ctx, NULL);
         }
-        ctx->last.valid = false;
     }
     sp->active = rc == POWERINFER_OK && (n_items > 0 || sp->bytes_kv > 0);
 
     // 6: the compute buffers as the scheduler lays them out.
-    if (sp->active && (rc = make_sched(ctx)) == POWERINFER_OK) {
-        rc = measure_compute(ctx, pi_context_build_reserve_graph, &sp->bytes_compute);
+    if (sp->active) {
+        rc = remeasure(ctx);
     }
     if (rc == POWERINFER_OK && sp->active && split_total(sp) > sp->budget) {
         pi_log(POWERINFER_LOG_WARN, "%s: the compute buffers (%.1f MiB) do not fit next to the dense weights; nothing placed\n",
@@ -578,14 +594,7 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
                     pi_clear_error();
                 }
             }
-            if ((rc = place_ffn(model, is_hot)) != POWERINFER_OK) break;
-            for (int32_t il = 0; il < n_layer; ++il) {
-                if (!is_hot[il]) is_hot[il] = calloc((size_t) n_ff, 1);
-            }
-            ggml_backend_sched_free(ctx->sched);
-            ctx->sched = NULL;
-            if ((rc = make_sched(ctx)) != POWERINFER_OK ||
-                (rc = measure_compute(ctx, pi_context_build_reserve_graph, &sp->bytes_compute)) != POWERINFER_OK) {
+            if ((rc = place_ffn(model, is_hot)) != POWERINFER_OK || (rc = remeasure(ctx)) != POWERINFER_OK) {
                 break;
             }
             if (split_total(sp) <= sp->budget) {
@@ -602,19 +611,12 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
             const uint64_t cut = excess + group_cost(model, 0) + (sp->bytes_ffn > est ? sp->bytes_ffn - est : 0);
             capacity = capacity > cut ? capacity - cut : 0;
             free_ffn(sp, n_layer);
-            for (int32_t il = 0; il < n_layer; ++il) {
-                if (!is_hot[il]) is_hot[il] = calloc((size_t) n_ff, 1);
-                else memset(is_hot[il], 0, (size_t) n_ff);
-            }
+            for (int32_t il = 0; il < n_layer; ++il) memset(is_hot[il], 0, (size_t) n_ff);
             sp->from_cache = false;
         }
         if (rc == POWERINFER_OK && split_total(sp) > sp->budget) {
             free_ffn(sp, n_layer);
-            ggml_backend_sched_free(ctx->sched);
-            ctx->sched = NULL;
-            if ((rc = make_sched(ctx)) == POWERINFER_OK) {
-                rc = measure_compute(ctx, pi_context_build_reserve_graph, &sp->bytes_compute);
-            }
+            rc = remeasure(ctx);
         }
     }
     for (int32_t il = 0; is_hot && il < n_layer; ++il) free(is_hot[il]);
@@ -631,10 +633,8 @@ int32_t pi_split_place(struct powerinfer_context * ctx) {
         free_ffn(sp, n_layer);
         undo_dense(model, items, n_items);
         if (sp->bytes_kv) {
-            const bool v_trans = ctx->kv.v_trans;
-            const uint32_t size = ctx->kv.size;
-            pi_kv_cache_free(&ctx->kv);
-            pi_kv_cache_init(&ctx->kv, model, size, v_trans, NULL);
+            const int32_t rc_kv = move_kv(ctx, NULL);
+            rc = rc != POWERINFER_OK ? rc : rc_kv;
         }
         sp->bytes_kv = sp->bytes_compute = 0;
         sp->active = false;
