@@ -67,6 +67,32 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse);
 
+// Gate mode's activity score: act(gate) itself for ReLU-family activations, else |act(gate)|.
+static struct ggml_tensor * gate_score(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * a) {
+    return pi_act_is_relu(act) ? a : ggml_abs(ctx, a);
+}
+
+// The FFN over the neurons in idx, through down: with the gate's activation `a` already
+// computed densely (gate mode), h = a * f(up rows); else act over the gate and up rows.
+static struct ggml_tensor * build_sparse_rows(struct ggml_context * ctx, const struct pi_layer * l, enum pi_ffn_act act,
+                                              struct ggml_tensor * x, struct ggml_tensor * a, struct ggml_tensor * idx) {
+    struct ggml_tensor * xq = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
+    struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
+    struct ggml_tensor * h;
+    if (a) {
+        h = ggml_mul(ctx, a, up_term(ctx, act, up));
+    } else {
+        struct ggml_tensor * gate = NULL;
+        if (l->ffn_gate) {
+            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
+                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
+            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
+        }
+        h = build_glu(ctx, act, gate, up);
+    }
+    return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+}
+
 // x: normed FFN input [n_embd, n_tokens], x_res: the residual stream before ffn_norm
 // (the predictor's input). Returns [n_embd, n_tokens].
 static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
@@ -83,25 +109,13 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
-        struct ggml_tensor * a   = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
-        struct ggml_tensor * idx = pi_active_index(ctx, pi_act_is_relu(act) ? a : ggml_abs(ctx, a), stat);
-        struct ggml_tensor * xq  = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
-        struct ggml_tensor * h   = ggml_mul(ctx, a, up_term(ctx, act, pi_sparse_matvec(ctx, l->ffn_up, xq, idx)));
-        return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
+        struct ggml_tensor * a = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
+        return build_sparse_rows(ctx, l, act, x, a, pi_active_index(ctx, gate_score(ctx, act, a), stat));
     }
     if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
         // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i > tau.
         struct ggml_tensor * logit = ggml_mul_mat(ctx, l->fc2, ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)));
-        struct ggml_tensor * idx   = pi_active_index(ctx, logit, stat);
-        struct ggml_tensor * xq    = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
-        struct ggml_tensor * up    = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
-        struct ggml_tensor * gate  = NULL;
-        if (l->ffn_gate) {
-            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
-                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
-            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
-        }
-        return pi_sparse_axpy(ctx, l->ffn_down_t, build_glu(ctx, act, gate, up), idx);
+        return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, stat));
     }
     struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
     struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
@@ -147,8 +161,7 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
         struct ggml_tensor * a  = sl->gate ? build_act(ctx, act, ggml_mul_mat(ctx, sl->gate, x)) : NULL;
         struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up_term(ctx, act, up)) : build_act(ctx, act, up);
         if (sparse) {
-            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, sl->fc2, pre)
-                                              : (pi_act_is_relu(act) ? a : ggml_abs(ctx, a));
+            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, sl->fc2, pre) : gate_score(ctx, act, a);
             // step(score - tau): 1 where the neuron is active, else 0
             h = ggml_mul(ctx, h, ggml_step(ctx, ggml_scale_bias(ctx, score, 1.0f, -tau)));
         }
@@ -168,24 +181,9 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
     } else if (pred) {
         idx = pi_active_index(ctx, ggml_mul_mat(ctx, l->fc2, pre), stat);
     } else {
-        idx = pi_active_index(ctx, pi_act_is_relu(act) ? a : ggml_abs(ctx, a), stat);
+        idx = pi_active_index(ctx, gate_score(ctx, act, a), stat);
     }
-    struct ggml_tensor * xq = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
-    struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
-    struct ggml_tensor * h;
-    if (a) {
-        h = ggml_mul(ctx, a, up_term(ctx, act, up));
-    } else {
-        struct ggml_tensor * gate = NULL;
-        if (l->ffn_gate) {
-            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
-                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
-            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
-        }
-        h = build_glu(ctx, act, gate, up);
-    }
-    struct ggml_tensor * out_cpu = pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
-    return ggml_add(ctx, out_cpu, out_dev);
+    return ggml_add(ctx, build_sparse_rows(ctx, l, act, x, a, idx), out_dev);
 }
 
 // Writes this batch's K and V into the cache and attends over cells [0, n_kv).
