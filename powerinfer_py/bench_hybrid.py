@@ -36,25 +36,22 @@ N_BATCH = 32  # decode-only benchmark: a short prompt, small compute buffers (bo
 PROMPT = b"The quick brown fox jumps over the lazy dog while the river runs on."
 
 
-def _layer_bytes(path: str) -> tuple:
-    """Per-layer weight bytes of a GGUF, and the bytes outside the layers."""
+def _layer_bytes(path: str) -> List[int]:
+    """Per-layer weight bytes of a GGUF."""
     import gguf
 
     per_layer: Dict[int, int] = {}
-    other = 0
     for t in gguf.GGUFReader(path).tensors:
         if t.name.startswith("blk."):
             il = int(t.name.split(".")[1])
             per_layer[il] = per_layer.get(il, 0) + int(t.n_bytes)
-        else:
-            other += int(t.n_bytes)
-    return [per_layer[i] for i in sorted(per_layer)], other
+    return [per_layer[i] for i in sorted(per_layer)]
 
 
 def gpu_layers_for(path: str, budget: int) -> int:
     """The n_gpu_layers llama.cpp can hold in `budget` bytes of weights (its KV cache and
     compute buffers are not counted, which favours it)."""
-    layers, _ = _layer_bytes(path)
+    layers = _layer_bytes(path)
     used, n = 0, 0
     for b in layers:
         if used + b > budget:
@@ -120,28 +117,15 @@ def _model_has_counts(path: str) -> bool:
 
 
 def profile_counts(path: str, n_tokens: int, threads: int, out_dir: str) -> str:
-    """Counts of act > 0 per neuron over n_tokens tokens (prompt text repeated), written
-    as PowerInfer's activation_{i}.pt files in out_dir/activation."""
-    from powerinfer_py import Llama, pt_io
-    from powerinfer_py._bindings import ffi, lib
+    """Activation counts over n_tokens tokens of the benchmark's prompt text, by
+    `powerinfer profile`; returns its activation/ folder (activation_{i}.pt)."""
+    from powerinfer_py.profiler import profile
 
-    llm = Llama(model_path=path, n_ctx=max(256, n_tokens), n_batch=n_tokens, n_threads=threads,
-                sparse_mode="dense", verbose=False)
-    toks = (llm.tokenize(PROMPT) * (n_tokens // 8 + 1))[:n_tokens]
-    if lib.powerinfer_set_ffn_capture(llm._ctx, True) != 0:
-        raise SystemExit(ffi.string(lib.powerinfer_last_error()).decode())
-    llm.eval(toks)
-    n_layer, n_ff = int(lib.powerinfer_model_n_layer(llm._model)), int(lib.powerinfer_model_n_ff(llm._model))
-    x, a = ffi.new("const float **"), ffi.new("const float **")
-    counts = []
-    for il in range(n_layer):
-        t = lib.powerinfer_get_ffn_capture(llm._ctx, il, x, a)
-        act = np.frombuffer(ffi.buffer(a[0], t * n_ff * 4), dtype=np.float32).reshape(t, n_ff)
-        counts.append((act > 0).sum(axis=0).astype(np.float32))
-    llm.close()
-    folder = os.path.join(out_dir, "activation")
-    pt_io.write_activation_dir(folder, counts)
-    return folder
+    corpus = os.path.join(out_dir, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write(" ".join([PROMPT.decode()] * (n_tokens // 8 + 1)))
+    profile(path, [corpus], out_dir, n_tokens=n_tokens, ctx_len=n_tokens, n_threads=threads, progress=False)
+    return os.path.join(out_dir, "activation")
 
 
 # ---- parent --------------------------------------------------------------------------------
