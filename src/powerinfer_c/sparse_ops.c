@@ -328,7 +328,8 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     ggml_to_float_t to_float = wt->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(wt->type)->to_float;
     float * row = to_float ? row_buffer((size_t) len) : NULL;
     GGML_ASSERT(!to_float || row);
-    const size_t slice_off = ggml_row_size(wt->type, c0);
+    const size_t slice_off   = ggml_row_size(wt->type, c0);
+    const size_t slice_bytes = ggml_row_size(wt->type, len);
     int32_t k = 0;
 #ifdef PI_AXPY_SIMD
     if (n_tok == 1 && fused_q4_0) {
@@ -336,7 +337,6 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
         float * out = (float *) dst->data + c0;
         const struct pi_block_q4_0 * pend = NULL;
         float apend = 0.0f;
-        const size_t slice_bytes = ggml_row_size(wt->type, len);
         for (; k < n_active; ++k) {
             const int64_t i = idx[1 + k];
             if (k + 2 * PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {  // rows go in pairs
@@ -365,7 +365,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
         const int64_t i = idx[1 + k];
         if (k + PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {
             prefetch_row((const char *) wt->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * wt->nb[1] + slice_off,
-                         ggml_row_size(wt->type, len));
+                         slice_bytes);
         }
         const char * src = (const char *) wt->data + i * wt->nb[1] + slice_off;
         const float * w = NULL;
