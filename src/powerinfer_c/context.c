@@ -59,7 +59,7 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
 }
 
 // The largest graph of this context: n_batch tokens over the whole cache.
-struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * ctx) {
+static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx) {
     struct pi_graph_params gp = {
         .n_tokens   = (int32_t) ctx->params.n_batch,
         .n_kv       = (int32_t) ctx->kv.size,
@@ -74,7 +74,7 @@ struct ggml_cgraph * pi_context_build_reserve_graph(struct powerinfer_context * 
 }
 
 static int32_t reserve_compute(struct powerinfer_context * ctx) {
-    struct ggml_cgraph * gf = pi_context_build_reserve_graph(ctx);
+    struct ggml_cgraph * gf = build_reserve_graph(ctx);
     if (!gf || !ggml_gallocr_reserve(ctx->galloc, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve compute buffers for n_batch=%u, n_ctx=%u",
                        ctx->params.n_batch, ctx->kv.size);
@@ -82,6 +82,88 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
     pi_log(POWERINFER_LOG_INFO, "powerinfer: compute buffer %.1f MiB, KV cache %.1f MiB\n",
            ggml_gallocr_get_buffer_size(ctx->galloc, 0) / 1048576.0,
            ggml_backend_buffer_get_size(ctx->kv.buf) / 1048576.0);
+    return POWERINFER_OK;
+}
+
+// ---- hybrid placement: the scheduler, the KV cache's home, compute measurement ----------
+
+// A scheduler over [device, CPU] (or [CPU] when the device is emulated) for what the
+// model has placed.
+static int32_t make_sched(struct powerinfer_context * ctx) {
+    ggml_backend_t backends[2];
+    int n = 0;
+    if (ctx->model->placement.device.backend) backends[n++] = ctx->model->placement.device.backend;
+    backends[n++] = ctx->backend;
+    ctx->sched = ggml_backend_sched_new(backends, NULL, n, PI_GRAPH_MAX_NODES, false, true);
+    return ctx->sched ? POWERINFER_OK : pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the backend scheduler");
+}
+
+static void host_drop_scheduler(void * self) {
+    struct powerinfer_context * ctx = self;
+    if (ctx->sched) {
+        ggml_backend_sched_free(ctx->sched);
+        ctx->sched = NULL;
+    }
+}
+
+static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
+    struct powerinfer_context * ctx = self;
+    host_drop_scheduler(ctx);
+    int32_t rc = make_sched(ctx);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    struct ggml_cgraph * gf = build_reserve_graph(ctx);
+    if (!gf || !ggml_backend_sched_reserve(ctx->sched, gf)) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve the compute buffers");
+    }
+    ggml_backend_t dev = ctx->model->placement.device.backend ? ctx->model->placement.device.backend : ctx->backend;
+    *device_bytes = ggml_backend_sched_get_buffer_size(ctx->sched, dev);
+    return POWERINFER_OK;
+}
+
+// Re-creates the KV cache in buft (NULL: host memory); contents are not kept (placement
+// happens before the first decode).
+static int32_t host_move_kv(void * self, ggml_backend_buffer_type_t buft, uint64_t * bytes) {
+    struct powerinfer_context * ctx = self;
+    const bool v_trans = ctx->kv.v_trans;
+    const uint32_t size = ctx->kv.size;
+    pi_kv_cache_free(&ctx->kv);
+    ctx->last.valid = false;
+    const int32_t rc = pi_kv_cache_init(&ctx->kv, ctx->model, size, v_trans, buft);
+    if (bytes) {
+        *bytes = rc == POWERINFER_OK ? ggml_backend_buffer_get_size(ctx->kv.buf) : 0;
+    }
+    return rc;
+}
+
+// The model's placement, decided by its first context (which hands over its KV cache and
+// compute measurement); every context with something placed runs through a scheduler
+// and lets its sparse operators skip the neurons on the device.
+static int32_t place(struct powerinfer_context * ctx) {
+    struct powerinfer_model * model = ctx->model;
+    if (!model->placement.decided) {
+        const struct pi_placement_host host = {
+            .self             = ctx,
+            .compute_estimate = ctx->galloc ? ggml_gallocr_get_buffer_size(ctx->galloc, 0) : 0,
+            .kv_bytes         = ggml_backend_buffer_get_size(ctx->kv.buf),
+            .move_kv          = host_move_kv,
+            .measure_compute  = host_measure_compute,
+            .drop_scheduler   = host_drop_scheduler,
+        };
+        const int32_t rc = pi_placement_decide(model, &host);
+        if (rc != POWERINFER_OK) {
+            return rc;
+        }
+    } else if (model->placement.active) {
+        const int32_t rc = make_sched(ctx);
+        if (rc != POWERINFER_OK) {
+            return rc;
+        }
+    }
+    for (int32_t il = 0; model->placement.active && il < model->hp.n_layer; ++il) {
+        ctx->sparse[il].skip = model->offload.layers[il].is_hot;
+    }
     return POWERINFER_OK;
 }
 
@@ -145,7 +227,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         return NULL;
     }
     if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, !params.flash_attn, NULL) != POWERINFER_OK ||
-        reserve_compute(ctx) != POWERINFER_OK || pi_split_place(ctx) != POWERINFER_OK) {
+        reserve_compute(ctx) != POWERINFER_OK || place(ctx) != POWERINFER_OK) {
         powerinfer_context_free(ctx);
         return NULL;
     }

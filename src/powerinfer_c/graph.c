@@ -1,5 +1,8 @@
-// graph.c - builds the dense forward graph of a llama-family decoder (llama, qwen2)
-// for one batch of tokens, in the same op order as llama.cpp so results agree.
+// graph.c - builds the forward graph of one batch of tokens for every architecture the
+// core runs (llama, qwen2, bamboo, falcon): attention over the KV cache, then the FFN in
+// the model's sparse mode (dense, gate or predictor, through the neuron-aware operators
+// of sparse_ops.c) and, with hybrid placement, split between the device and the CPU.
+// The dense path keeps llama.cpp's op order so results agree with it.
 #include "powerinfer-impl.h"
 #include "sparse_ops.h"
 
@@ -63,7 +66,7 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }
 
-static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
+static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse);
 
@@ -103,8 +106,8 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     const int32_t mode = model->hp.sparse_mode;
     const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture;
 
-    if (model->split.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {
-        return build_ffn_split(ctx, model, il, x, x_res, stat, sparse);
+    if (model->offload.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {
+        return build_ffn_hybrid(ctx, model, il, x, x_res, stat, sparse);
     }
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
@@ -137,16 +140,16 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
 }
 
-// Hybrid FFN (split.c): the device computes its compact hot rows densely through down,
+// Hybrid FFN (placement.c, offload.c): the device computes its compact hot rows densely through down,
 // the CPU runs the sparse operators on the other neurons, and the two [n_embd, T]
 // partial outputs are added. The device applies the same activity test as the CPU
 // (predictor logit or |act(gate)| above tau) when the batch is small enough to be
 // sparse, so the result does not depend on where a neuron lives.
-static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
+static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse) {
     const struct pi_layer *       l  = &model->layers[il];
-    const struct pi_split_layer * sl = &model->split.layers[il];
+    const struct pi_offload_layer * ol = &model->offload.layers[il];
     const enum pi_ffn_act act  = model->hp.ffn_act;
     const bool            pred = model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR;
     const int64_t         n_ff = model->hp.n_ff;
@@ -157,17 +160,17 @@ static struct ggml_tensor * build_ffn_split(struct ggml_context * ctx, const str
     // Device side.
     struct ggml_tensor * out_dev = NULL;
     {
-        struct ggml_tensor * up = ggml_mul_mat(ctx, sl->up, x);                            // [n_pad, T]
-        struct ggml_tensor * a  = sl->gate ? build_act(ctx, act, ggml_mul_mat(ctx, sl->gate, x)) : NULL;
+        struct ggml_tensor * up = ggml_mul_mat(ctx, ol->up, x);                            // [n_pad, T]
+        struct ggml_tensor * a  = ol->gate ? build_act(ctx, act, ggml_mul_mat(ctx, ol->gate, x)) : NULL;
         struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up_term(ctx, act, up)) : build_act(ctx, act, up);
         if (sparse) {
-            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, sl->fc2, pre) : gate_score(ctx, act, a);
+            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, ol->fc2, pre) : gate_score(ctx, act, a);
             // step(score - tau): 1 where the neuron is active, else 0
             h = ggml_mul(ctx, h, ggml_step(ctx, ggml_scale_bias(ctx, score, 1.0f, -tau)));
         }
-        out_dev = ggml_mul_mat(ctx, sl->down, h);                                          // [n_embd, T]
+        out_dev = ggml_mul_mat(ctx, ol->down, h);                                          // [n_embd, T]
     }
-    if (sl->n_hot == n_ff) {
+    if (ol->n_hot == n_ff) {
         return out_dev;
     }
 

@@ -550,7 +550,7 @@ void powerinfer_model_free(struct powerinfer_model * model) {
         return;
     }
     pi_vocab_free(model);
-    pi_split_free(model);
+    pi_placement_free(model);
     free(model->act_counts);
     pi_repack_free(model);
     pi_model_unload_file(model);

@@ -79,38 +79,103 @@ struct pi_layer {
     float                sparse_tau;       // activation threshold (gate or predictor mode)
 };
 
-// FFN neurons of one layer on the device: compact copies of their rows, and the
-// mask the CPU side uses to skip them.
-struct pi_split_layer {
+// ---- device.c ----
+// The device hybrid placement uses: a GPU backend's device, or a CPU buffer type
+// standing in for one (emulated). buft == NULL: no device.
+struct pi_device {
+    bool                       emulated;
+    char                       name[128];
+    ggml_backend_t             backend;  // NULL when emulated
+    ggml_backend_buffer_type_t buft;     // where device tensors live
+};
+
+void     pi_device_find(struct pi_device * dev, bool emulate);
+void     pi_device_free(struct pi_device * dev);
+uint64_t pi_device_free_memory(const struct pi_device * dev);
+// Bytes a tensor of this shape takes in the device's buffer (alignment included).
+uint64_t pi_device_alloc_size(const struct pi_device * dev, const struct ggml_tensor * t);
+
+// ---- offload.c ----
+#define PI_OFFLOAD_GROUP 32  // device rows are placed in groups of this many neurons (Q8_0 block of the down copy)
+
+// FFN neurons of one layer on the device: compact copies of their rows, and the mask
+// the CPU side uses to skip them.
+struct pi_offload_layer {
     int32_t              n_hot;   // neurons on the device
-    int32_t              n_pad;   // compact rows (n_hot rounded up to PI_SPLIT_GROUP; padding rows are 0)
+    int32_t              n_pad;   // compact rows (n_hot rounded up to PI_OFFLOAD_GROUP; padding rows are 0)
     uint8_t *            is_hot;  // [n_ff], 1 = on the device (PowerInfer's gpu_idx); NULL when n_hot == 0
     struct ggml_tensor * up, * gate; // [n_embd, n_pad], the weights' own type
     struct ggml_tensor * down;    // [n_pad, n_embd]: columns of the down projection (float types kept, else Q8_0)
     struct ggml_tensor * fc2;     // [r, n_pad] predictor rows of the hot neurons (predictor mode)
 };
 
-#define PI_SPLIT_GROUP 32  // device rows are placed in groups of this many neurons (Q8_0 block of the down copy)
-
-// Hybrid placement (split.c): what lives on the device and what it costs. Made by the
-// first context of a model that has a budget and a device (or the CPU emulation).
-struct pi_split {
-    bool                       decided;     // placement was attempted (by the model's first context)
-    bool                       active;      // something is on the device: contexts run through the scheduler
-    bool                       emulated;    // the "device" is a CPU buffer (tests, machines without a GPU)
-    bool                       from_cache;  // the FFN placement came from the gpuidx file
-    char                       device[128];
-    ggml_backend_t             backend;     // the device's backend (NULL when emulated)
-    ggml_backend_buffer_type_t buft;        // where device tensors live
-    uint64_t                   budget;
-    uint64_t                   bytes_dense, bytes_kv, bytes_compute, bytes_ffn;
-    int32_t                    n_layers_attn; // layers whose attention weights are on the device
-    struct ggml_context *      ctx_dense;   // copies of attention/predictor/norm/output weights
-    ggml_backend_buffer_t      buf_dense;
-    struct ggml_context *      ctx_ffn;     // compact hot rows
-    ggml_backend_buffer_t      buf_ffn;
-    struct pi_split_layer      layers[PI_MAX_LAYERS];
+// The model's weights on the device.
+struct pi_offload {
+    struct ggml_context *   ctx_dense;   // copies of attention/predictor/norm/output weights
+    ggml_backend_buffer_t   buf_dense;
+    struct ggml_context *   ctx_ffn;     // compact hot rows
+    ggml_backend_buffer_t   buf_ffn;
+    struct pi_offload_layer layers[PI_MAX_LAYERS];
 };
+
+// A model tensor pointer to redirect to a device copy; items of one group move together.
+struct pi_dense_item {
+    struct ggml_tensor ** slot;
+    int32_t               group;
+};
+
+// Copies the items' tensors to the device and points the model at the copies.
+int32_t  pi_offload_dense(struct powerinfer_model * model, const struct pi_device * dev, struct pi_dense_item * items,
+                          int32_t n_items);
+// Points the items back at the file's tensors and frees the dense copies.
+void     pi_offload_undo_dense(struct powerinfer_model * model, struct pi_dense_item * items, int32_t n_items);
+uint64_t pi_offload_dense_bytes(const struct pi_offload * off);
+bool     pi_offload_holds(const struct pi_offload * off, const struct ggml_tensor * t); // t is a dense device copy
+// Device bytes of one group of PI_OFFLOAD_GROUP neurons of layer il (before alignment).
+uint64_t pi_offload_group_cost(const struct powerinfer_model * model, int32_t il);
+// Copies the rows of the neurons in is_hot[il] ([n_ff] 0/1 per layer) into compact device tensors.
+int32_t  pi_offload_ffn(struct powerinfer_model * model, const struct pi_device * dev, uint8_t * const * is_hot);
+uint64_t pi_offload_ffn_bytes(const struct pi_offload * off);
+void     pi_offload_free_ffn(struct pi_offload * off, int32_t n_layer);
+void     pi_offload_free(struct powerinfer_model * model);
+
+// ---- placement.c ----
+// The decision and its accounting (sizes in bytes), made for the model's first context.
+struct pi_placement {
+    bool             decided;     // placement was attempted (by the model's first context)
+    bool             active;      // something is on the device: contexts run through a scheduler
+    bool             from_cache;  // the FFN sets came from the gpuidx file
+    struct pi_device device;
+    uint64_t         budget;
+    uint64_t         bytes_dense, bytes_kv, bytes_compute, bytes_ffn;
+    int32_t          n_layers_attn; // layers whose attention weights are on the device
+};
+
+// What placement needs from the context it places for; context.c implements it, so
+// placement never calls into the context's file.
+struct pi_placement_host {
+    void *   self;
+    uint64_t compute_estimate; // bytes of the context's CPU-only compute buffer
+    uint64_t kv_bytes;         // bytes of its KV cache in host memory
+    // Re-creates the KV cache in buft (NULL: host memory); *bytes (may be NULL) gets its size.
+    int32_t (*move_kv)(void * self, ggml_backend_buffer_type_t buft, uint64_t * bytes);
+    // Re-creates the scheduler over what is placed now; *device_bytes gets the device's
+    // share of the compute buffers for the context's largest graph.
+    int32_t (*measure_compute)(void * self, uint64_t * device_bytes);
+    void    (*drop_scheduler)(void * self);
+};
+
+// Decides and performs the placement (once per model; a no-op without a budget or a device).
+int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_placement_host * host);
+void    pi_placement_free(struct powerinfer_model * model);
+// Per-neuron activation counts of layer il (set by powerinfer_model_set_act_counts, else
+// the file's blk.N.ffn_act_count) into out[n_ff]; false when there are none.
+bool    pi_model_act_counts(const struct powerinfer_model * model, int32_t il, float * out);
+
+// ---- gpuidx.c ----
+int32_t pi_gpuidx_write(const struct powerinfer_model * model, const char * path, uint64_t capacity,
+                        const uint8_t * const * is_hot);
+int32_t pi_gpuidx_read(const struct powerinfer_model * model, const char * path, uint64_t * capacity, uint8_t ** is_hot);
 
 // A read-only mapping of the whole model file.
 struct pi_mapping {
@@ -143,7 +208,8 @@ struct powerinfer_model {
     struct ggml_tensor * output;    // == tok_embd when the output is tied
     struct pi_layer      layers[PI_MAX_LAYERS];
 
-    struct pi_split      split;
+    struct pi_placement  placement;
+    struct pi_offload    offload;    // what placement copied to the device
     float *              act_counts; // [n_layer][n_ff] set through powerinfer_model_set_act_counts, else NULL
 
     // vocabulary (libllama, vocab-only)
@@ -158,6 +224,11 @@ struct powerinfer_model {
 // ctx_meta, map, buf_weights, n_bytes, n_params.
 int32_t pi_model_load_file(struct powerinfer_model * model, const char * path);
 void    pi_model_unload_file(struct powerinfer_model * model);
+// The tensor as stored in the file (mapped), when t has the same name, type and size;
+// NULL otherwise. Repacked and device copies keep their original here.
+const struct ggml_tensor * pi_model_file_tensor(const struct powerinfer_model * model, const struct ggml_tensor * t);
+// Drops the mapped pages lying wholly inside [addr, addr + size) from the resident set.
+void    pi_release_mapped_range(const void * addr, size_t size);
 
 // ---- model.c ----
 int32_t pi_model_load_hparams(struct powerinfer_model * model);
@@ -218,21 +289,6 @@ struct pi_graph_params {
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
                                     const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
                                     struct pi_graph_inputs * in);
-
-// ---- placement.c ----
-bool    pi_model_act_counts(const struct powerinfer_model * model, int32_t il, float * out);
-int32_t pi_gpuidx_write(const struct powerinfer_model * model, const char * path, uint64_t capacity,
-                        const uint8_t * const * is_hot);
-int32_t pi_gpuidx_read(const struct powerinfer_model * model, const char * path, uint64_t * capacity, uint8_t ** is_hot);
-
-// ---- split.c ----
-struct powerinfer_context;
-// Decides and performs the placement for the model's first context (no-op when there is
-// no budget or no device). May re-create ctx->kv on the device.
-int32_t pi_split_place(struct powerinfer_context * ctx);
-void    pi_split_free(struct powerinfer_model * model);
-// Drops mapped pages wholly inside [addr, addr + size) from the resident set (repack.c).
-void    pi_release_mapped_range(const void * addr, size_t size);
 
 struct powerinfer_context {
     struct powerinfer_model *        model;

@@ -9,8 +9,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 // The CPU device's extra buffer types, NULL-terminated (NULL if there are none).
 static ggml_backend_buffer_type_t * cpu_extra_bufts(ggml_backend_dev_t * dev_out) {
@@ -45,16 +43,6 @@ static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_typ
     }
     ggml_free(ctx);
     return ok;
-}
-
-// Drops the mapped pages lying wholly inside [addr, addr + size) from the resident set.
-void pi_release_mapped_range(const void * addr, size_t size) {
-    const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t begin = ((uintptr_t) addr + page - 1) & ~(page - 1);
-    const uintptr_t end   = ((uintptr_t) addr + size) & ~(page - 1);
-    if (end > begin) {
-        madvise((void *) begin, end - begin, MADV_DONTNEED);
-    }
 }
 
 int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor ** weights[], int32_t n_weights) {

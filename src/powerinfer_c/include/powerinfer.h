@@ -226,6 +226,21 @@ POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, co
 // (n_total: neurons considered). Steps through ggml's dense matmul are not counted.
 POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il,
                                                int64_t * n_active, int64_t * n_total);
+POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
+POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
+
+// ---- hybrid placement --------------------------------------------------------
+// Per-neuron activation counts ([n_layer][n_ff], e.g. from PowerInfer's activation_{i}.pt)
+// for the placement, instead of the model's blk.N.ffn_act_count. Before the first context.
+POWERINFER_API int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const float * counts,
+                                                       int32_t n_layer, int32_t n_ff);
+POWERINFER_API int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct powerinfer_placement * out);
+// Ids of layer il's neurons on the device (ascending); returns their number (ids may be NULL).
+POWERINFER_API int32_t powerinfer_layer_hot_neurons(const struct powerinfer_context * ctx, int32_t il, int32_t * ids, int32_t n_max);
+
+// ---- profiling, calibration and test entry points ---------------------------
+// Used by the offline tools (powerinfer profile, calibrate) and the tests; a program
+// that only runs models needs none of them.
 
 // Histogram of |act(gate)| of layer il since the context was made (collect_activations):
 // n_bins log-spaced bins over [10^log10_min, 10^log10_max), the first also counting
@@ -242,23 +257,13 @@ POWERINFER_API int32_t powerinfer_set_ffn_capture(struct powerinfer_context * ct
 // gate). Valid until the next decode.
 POWERINFER_API int32_t powerinfer_get_ffn_capture(struct powerinfer_context * ctx, int32_t il,
                                                   const float ** x_res, const float ** act);
-// ---- hybrid placement --------------------------------------------------------
-// Per-neuron activation counts ([n_layer][n_ff], e.g. from PowerInfer's activation_{i}.pt)
-// for the placement, instead of the model's blk.N.ffn_act_count. Before the first context.
-POWERINFER_API int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const float * counts,
-                                                       int32_t n_layer, int32_t n_ff);
-POWERINFER_API int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct powerinfer_placement * out);
-// Ids of layer il's neurons on the device (ascending); returns their number (ids may be NULL).
-POWERINFER_API int32_t powerinfer_layer_hot_neurons(const struct powerinfer_context * ctx, int32_t il, int32_t * ids, int32_t n_max);
+
 // The placement solver: n_layer layers of n_groups groups; values[l * n_groups + g] is the
 // activation mass of group g of layer l (non-increasing in g), cost[l] the device bytes of
 // one group of layer l, max_groups[l] the per-layer cap (compute-balance bound, <= n_groups).
 // Fills n_chosen[l] (a prefix of each layer's groups) maximizing the mass within budget.
 POWERINFER_API int32_t powerinfer_place_groups(int32_t n_layer, int32_t n_groups, const double * values, const uint64_t * cost,
                                                const int32_t * max_groups, uint64_t budget, int32_t * n_chosen);
-POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
-POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
-
 // ---- sampling (libllama's sampler chain) -----------------------------------
 POWERINFER_API struct powerinfer_sampler_params powerinfer_sampler_default_params(void);
 POWERINFER_API struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params params);
