@@ -1,15 +1,16 @@
 """PowerInfer-Py: sparse-activation LLM inference with llama-cpp-python's API.
 
-`Llama` (and the cffi bindings under it) load lazily, so `powerinfer_py.models`
-and the offline tools work before libpowerinfer is built. The names scripts import
-from llama_cpp (LlamaGrammar, LlamaRAMCache, LogitsProcessorList, llama_types, ...)
-are llama-cpp-python's own pure-Python pieces, also loaded on first use.
+`Llama`, `PowerInferError` (and the cffi bindings under them, powerinfer_py._core)
+load lazily, so `powerinfer_py.assets.models` and the offline tools that do not run
+the engine work before libpowerinfer is built. The names scripts import from
+llama_cpp (LlamaGrammar, LlamaRAMCache, LogitsProcessorList, llama_types, ...) are
+llama-cpp-python's own pure-Python pieces, also loaded on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -32,27 +33,14 @@ __all__ = [
 ]
 
 
-class PowerInferError(ValueError, RuntimeError):
-    """A failure reported by the C core, with its message from powerinfer_last_error().
-
-    It is both a ValueError and a RuntimeError so code written for llama-cpp-python
-    (ValueError when a model fails to load, RuntimeError when a decode fails)
-    catches it unchanged. `status` is the core's powerinfer_status code when known.
-    """
-
-    def __init__(self, message: str, status: Optional[int] = None):
-        super().__init__(message)
-        self.status = status
-
-
 if TYPE_CHECKING:  # pragma: no cover
     from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaList
     from llama_cpp.llama_cache import LlamaCache, LlamaDiskCache, LlamaRAMCache
     from llama_cpp.llama_grammar import LlamaGrammar
 
     from . import llama_cache, llama_chat_format, llama_grammar, llama_types
-    from ._compat import install_as_llama_cpp
-    from .llama import Llama
+    from ._core.errors import PowerInferError
+    from .llama import Llama, install_as_llama_cpp
 
 _FROM_UPSTREAM = {
     "LlamaState": "llama",
@@ -67,18 +55,22 @@ _SUBMODULES = ("llama_types", "llama_chat_format", "llama_grammar", "llama_cache
 
 
 def __getattr__(name: str):
-    if name == "Llama":
-        from .llama import Llama
+    if name in ("Llama", "install_as_llama_cpp"):
+        from . import llama
 
-        return Llama
-    if name in ("install_as_llama_cpp", "uninstall_llama_cpp"):
-        from . import _compat
+        return getattr(llama, name)
+    if name == "PowerInferError":
+        from ._core.errors import PowerInferError
 
-        return getattr(_compat, name)
+        return PowerInferError
+    if name == "uninstall_llama_cpp":
+        from ._llama.aliases import uninstall_llama_cpp
+
+        return uninstall_llama_cpp
     if name in _FROM_UPSTREAM:
-        from . import _upstream
+        from ._llama import upstream
 
-        return getattr(_upstream.module(_FROM_UPSTREAM[name]), name)
+        return getattr(upstream.module(_FROM_UPSTREAM[name]), name)
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,8 @@ from then on `import llama_cpp` (and its submodules) resolve to PowerInfer-Py.
 See powerinfer_py.install_as_llama_cpp() for the function form.
 """
 
-from ._compat import install_as_llama_cpp, is_installed, uninstall_llama_cpp
+from ._llama.aliases import is_installed, uninstall_llama_cpp
+from .llama import install_as_llama_cpp
 
 __all__ = ["install_as_llama_cpp", "is_installed", "uninstall_llama_cpp"]
 

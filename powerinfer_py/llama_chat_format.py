@@ -3,6 +3,6 @@
 
 import sys as _sys
 
-from . import _upstream
+from ._llama import upstream as _upstream
 
 _sys.modules[__name__] = _upstream.module("llama_chat_format")

@@ -8,7 +8,7 @@ cd "$ROOT"
 ./scripts/setup.sh
 
 printf '\n==> %s\n' "model: smollm2"
-MODEL=$(.venv/bin/python -m powerinfer_py.models path smollm2)
+MODEL=$(.venv/bin/python -m powerinfer_py.assets.models path smollm2)
 echo "    $MODEL"
 
 PROMPT="The three most important things about running language models locally are"

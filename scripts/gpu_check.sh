@@ -39,7 +39,7 @@ case $BENCH_MODEL in
     7b)    NAME=relu-7b-shaped; PRESET=7b ;;
     *)     echo "error: --bench-model small|7b" >&2; exit 1 ;;
 esac
-[ -f "$SYN/$NAME.powerinfer.gguf" ] || .venv/bin/python -m powerinfer_py.synthetic --preset "$PRESET" --out "$SYN"
-.venv/bin/python -m powerinfer_py.bench_hybrid --dense "$SYN/$NAME.gguf" --powerinfer "$SYN/$NAME.powerinfer.gguf" \
+[ -f "$SYN/$NAME.powerinfer.gguf" ] || .venv/bin/python -m powerinfer_py.assets.synthetic --preset "$PRESET" --out "$SYN"
+.venv/bin/python -m powerinfer_py.bench hybrid --dense "$SYN/$NAME.gguf" --powerinfer "$SYN/$NAME.powerinfer.gguf" \
     --threads "$(nproc)" --emulate no --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.txt"
 step "done; results in $OUT"

@@ -6,7 +6,7 @@
 #
 # Environment:
 #   POWERINFER_CACHE          cache root (default ~/.cache/powerinfer-py), shared with
-#                             powerinfer_py.models; the llama wheel goes to
+#                             powerinfer_py.assets.models; the llama wheel goes to
 #                             $POWERINFER_CACHE/wheels-llama-<hash>/
 #   CMAKE_ARGS                passed to the llama-cpp-python build, e.g. "-DGGML_CUDA=on";
 #                             part of <hash>, so a different value builds another wheel
@@ -27,11 +27,12 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # so the build sees the installed llama-cpp-python). llama-cpp-python is installed with
 # --no-deps; numpy, typing-extensions, diskcache and jinja2 are its runtime deps.
 # The server and langchain extras, and what their tests drive them with (httpx, the
-# official openai client, langchain-community's LlamaCpp classes), are installed too.
+# official openai client, langchain-community's LlamaCpp classes), are installed too,
+# and import-linter, whose lint-imports checks the package's layers (tests/test_layers.py).
 DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
       scikit-build-core cmake ninja
       fastapi uvicorn sse-starlette pydantic-settings httpx openai
-      langchain-core langchain-community)
+      langchain-core langchain-community import-linter)
 
 phase() { printf '\n==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }

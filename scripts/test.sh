@@ -8,8 +8,8 @@ cd "$ROOT"
 ./scripts/setup.sh
 
 printf '\n==> %s\n' "test assets (models + llama.cpp tokenizer fixtures)"
-.venv/bin/python -m powerinfer_py.models fetch all
-.venv/bin/python -m powerinfer_py.models vocab-fixtures
+.venv/bin/python -m powerinfer_py.assets.models fetch all
+.venv/bin/python -m powerinfer_py.assets.models vocab-fixtures
 
 printf '\n==> %s\n' "pytest"
 exec .venv/bin/python -m pytest -q tests "$@"

@@ -1,6 +1,6 @@
 """Shared fixtures: the real test models, llama-cpp-python reference instances and ours.
 
-Models are fetched on first use by powerinfer_py.models (cached afterwards). Every
+Models are fetched on first use by powerinfer_py.assets.models (cached afterwards). Every
 instance is session-scoped and built once: loading is the slow part on 2 cores.
 """
 
@@ -23,7 +23,7 @@ CLI_PATH = REPO_DIR / "build" / "bin" / "main"
 @pytest.fixture(scope="session")
 def model_file() -> Callable[[str], str]:
     """name -> path of the verified GGUF (fetched if needed)."""
-    from powerinfer_py.models import model_path
+    from powerinfer_py.assets.models import model_path
 
     cache: Dict[str, str] = {}
 
@@ -99,7 +99,7 @@ def our_llama(model_file):
 
 @pytest.fixture(scope="session")
 def vocab_fixtures_dir() -> Path:
-    from powerinfer_py.models import llama_cpp_sdist_dir
+    from powerinfer_py.assets.models import llama_cpp_sdist_dir
 
     return Path(llama_cpp_sdist_dir())
 

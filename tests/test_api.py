@@ -598,7 +598,7 @@ def test_install_as_llama_cpp(smollm2_path, how):
         assert llama_cpp.__version__ == "0.3.36" and llama_cpp.llama_cpp.LLAMA_DEFAULT_SEED == 0xFFFFFFFF
         assert isinstance(llama_grammar.LlamaGrammar.from_string('root ::= "a"', verbose=False), LlamaGrammar)
         # Our internals still reach llama-cpp-python itself.
-        from powerinfer_py import _upstream
+        from powerinfer_py._llama import upstream as _upstream
         assert _upstream.llama_module().Llama is not powerinfer_py.Llama
         llm = llama_cpp.Llama(model_path={smollm2_path!r}, n_ctx=256, n_threads=2, verbose=False, n_parts=-1)
         assert llm.engine == "powerinfer"

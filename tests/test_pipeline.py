@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from powerinfer_py import cli, pt_io
-from powerinfer_py._pipeline import KEY_STATS_N_TOKENS, KEY_THRESHOLDS, field, open_gguf, tensor_f32
-from powerinfer_py.convert import convert, permute_qk, unpermute_qk, write_safetensors
-from powerinfer_py.synthetic import PRESETS, generate
-from powerinfer_py.train_predictor import choose_ranks, recall_precision, threshold_for_recall
+from powerinfer_py.formats import pt_io
+from powerinfer_py.pipeline import cli
+from powerinfer_py.formats.gguf_io import KEY_STATS_N_TOKENS, KEY_THRESHOLDS, field, open_gguf, tensor_f32
+from powerinfer_py.pipeline.convert import convert, permute_qk, unpermute_qk, write_safetensors
+from powerinfer_py.assets.synthetic import PRESETS, generate
+from powerinfer_py.pipeline.train_predictor import choose_ranks, recall_precision, threshold_for_recall
 
 TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
         "and darkness was upon the face of the deep. If music be the food of love, play on. ") * 20
@@ -241,7 +242,7 @@ def test_convert_errors_leave_input_alone(tiny, tmp_path):
 
 def test_relufy_torch_forward_matches_engine(tiny):
     pytest.importorskip("torch")
-    from powerinfer_py.relufy import check_against_engine
+    from powerinfer_py.pipeline.relufy import check_against_engine
 
     c = check_against_engine(tiny["gguf"], [1, 40, 72, 101, 33, 260, 70, 90, 45, 12, 200, 7] * 3)
     assert c["top1_agree"] == 1.0 and c["rel_diff"] < 1e-4

@@ -1,4 +1,4 @@
-"""powerinfer_py.pt_io: .pt archives read and written without torch and without running pickle code."""
+"""powerinfer_py.formats.pt_io: .pt archives read and written without torch and without running pickle code."""
 
 import io
 import os
@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from powerinfer_py import pt_io
+from powerinfer_py.formats import pt_io
 
 
 def test_round_trip_tensor_and_state_dict(tmp_path):

@@ -1,4 +1,4 @@
-"""The sparse engine end to end on tiny synthetic ReLU models (powerinfer_py.synthetic):
+"""The sparse engine end to end on tiny synthetic ReLU models (powerinfer_py.assets.synthetic):
 gate and predictor modes against dense, thread-count agreement, PowerInfer-format
 round trip, and malformed PWRI files."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from powerinfer_py._bindings import ffi, lib
-from powerinfer_py.synthetic import PRESETS, generate
+from powerinfer_py._core.bindings import ffi, lib
+from powerinfer_py.assets.synthetic import PRESETS, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = ROOT / "build" / "bin" / "main"
@@ -310,7 +310,7 @@ def test_python_llama_runs_sparse_modes(tiny):
 
 def test_bench_interleaved_pair_runs(tiny):
     """bench_sparse's interleaved measurement (both engines in one process) on a tiny pair."""
-    from powerinfer_py import bench_sparse
+    from powerinfer_py.bench import sparse as bench_sparse
 
     paths = tiny["tiny-q8"]
     r = bench_sparse.run_pair(paths["dense"], paths["powerinfer"], "predictor", 2, 4)

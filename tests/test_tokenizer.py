@@ -9,7 +9,7 @@ from typing import List, Tuple
 
 import pytest
 
-from powerinfer_py.models import llama_cpp_sdist_dir
+from powerinfer_py.assets.models import llama_cpp_sdist_dir
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 

@@ -134,13 +134,7 @@ def _error_from_exception(exc: BaseException, body: Any = None) -> APIError:
     from .. import PowerInferError
 
     if isinstance(exc, PowerInferError):
-        try:
-            from .._bindings import STATUS_NAMES
-
-            status_name = STATUS_NAMES.get(exc.status)
-        except Exception:
-            status_name = None
-        if status_name in _CLIENT_ERROR_STATUSES:
+        if exc.status_name in _CLIENT_ERROR_STATUSES:
             return APIError(400, text)
     elif isinstance(exc, NotImplementedError):
         return APIError(400, text, code="unsupported_parameter")

@@ -1,0 +1,199 @@
+"""`Context`: an owned `struct powerinfer_context *` (KV cache, decode, logits, state,
+counters, placement), in the style of llama-cpp-python's _internals.LlamaContext.
+
+`Context(model, **params)` creates it with the core's default context parameters,
+overridden by the given `struct powerinfer_context_params` fields, and raises
+PowerInferError when the core refuses. It keeps its Model alive; `close()` frees it
+exactly once, it is a context manager, and closing the model closes it first.
+
+Arrays returned as views (logits, embeddings, FFN capture) point into the core's
+buffers and are valid until the next decode: copy them to keep them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence, Tuple
+
+import numpy as np
+
+from .bindings import ffi, lib
+from .errors import OK, core_error
+from .handle import Handle
+from .model import Model
+
+
+def context_params(**fields: Any):
+    """struct powerinfer_context_params: the core's defaults with `fields` set by name."""
+    params = lib.powerinfer_context_default_params()
+    for name, value in fields.items():
+        try:
+            setattr(params, name, value)
+        except AttributeError:
+            raise TypeError(f"struct powerinfer_context_params has no field {name!r}") from None
+    return params
+
+
+def _float_view(ptr, n_rows: int, n_cols: int) -> np.ndarray:
+    return np.frombuffer(ffi.buffer(ptr, n_rows * n_cols * 4), dtype=np.float32).reshape(n_rows, n_cols)
+
+
+class Context(Handle):
+    """A context of a Model."""
+
+    _kind = "context"
+
+    def __init__(self, model: Model, **params: Any):
+        self.model = model  # the context points into the model: keep it alive
+        self.params = context_params(**params)
+        ptr = lib.powerinfer_context_new(model.ptr, self.params)
+        if ptr == ffi.NULL:
+            raise core_error(f"Failed to create a context for {model.path}")
+        self._ptr = ptr
+        self.n_vocab = model.n_vocab()
+        self.n_embd = model.n_embd()
+        model._attach(self)
+
+    def _free(self, ptr) -> None:
+        lib.powerinfer_context_free(ptr)
+
+    # ---- sizes ---------------------------------------------------------------------------
+
+    def n_ctx(self) -> int:
+        return int(lib.powerinfer_n_ctx(self.ptr))
+
+    def n_batch(self) -> int:
+        return int(lib.powerinfer_n_batch(self.ptr))
+
+    def n_outputs(self) -> int:
+        """Rows of logits of the last decode."""
+        return int(lib.powerinfer_n_outputs(self.ptr))
+
+    # ---- decode and outputs ------------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int], pos: int, logits_all: bool = False) -> None:
+        """Compute `tokens` at positions pos, pos+1, ... (cache cells from pos on are
+        overwritten); logits for every token with logits_all, else for the last one."""
+        n = len(tokens)
+        buf = ffi.new("powerinfer_token[]", [int(t) for t in tokens])
+        rc = lib.powerinfer_decode(self.ptr, buf, n, pos, logits_all)
+        if rc != OK:
+            raise core_error(f"powerinfer_decode of {n} tokens at position {pos} failed", rc)
+
+    def logits(self, row: int = -1, n_rows: int = 1) -> np.ndarray:
+        """n_rows rows of logits of the last decode from `row` on (-1: the last row), as a
+        view: float32 [n_vocab] for one row, else [n_rows, n_vocab]."""
+        ptr = lib.powerinfer_get_logits_ith(self.ptr, row)
+        if ptr == ffi.NULL:
+            raise core_error(f"no logits for output row {row}")
+        view = _float_view(ptr, n_rows, self.n_vocab)
+        return view[0] if n_rows == 1 else view
+
+    def embeddings(self, row: int = 0, n_rows: int = 1) -> np.ndarray:
+        """float32 [n_rows, n_embd]: final-norm hidden states of output rows `row`...
+        (needs embeddings=True), as a view."""
+        ptr = lib.powerinfer_get_embeddings_ith(self.ptr, row)
+        if ptr == ffi.NULL:
+            raise core_error("no embeddings from the core")
+        return _float_view(ptr, n_rows, self.n_embd)
+
+    # ---- KV cache and state --------------------------------------------------------------------
+
+    def kv_pos(self) -> int:
+        """Positions held in the KV cache."""
+        return int(lib.powerinfer_kv_pos(self.ptr))
+
+    def kv_truncate(self, n_keep: int) -> None:
+        """Keep the first n_keep positions of the KV cache."""
+        rc = lib.powerinfer_kv_truncate(self.ptr, n_keep)
+        if rc != OK:
+            raise core_error(f"powerinfer_kv_truncate({n_keep}) failed", rc)
+
+    def state_save(self) -> bytes:
+        """The context state (cached positions, their keys/values, the last logits)."""
+        ptr = self.ptr
+        size = int(lib.powerinfer_state_size(ptr))
+        buf = ffi.new("uint8_t[]", size)
+        n_bytes = int(lib.powerinfer_state_save(ptr, buf, size))
+        if n_bytes == 0:
+            raise core_error("Failed to copy llama state data")
+        return ffi.buffer(buf, n_bytes)[:]
+
+    def state_load(self, data: bytes) -> None:
+        """Restore a state_save() of a context of the same model file, with no larger n_ctx."""
+        rc = lib.powerinfer_state_load(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data))
+        if rc != OK:
+            raise core_error("Failed to set llama state data", rc)
+
+    # ---- counters --------------------------------------------------------------------------------
+
+    def timings(self) -> Dict[str, float]:
+        """struct powerinfer_timings as a dict (prompt: decodes of more than one token)."""
+        t = lib.powerinfer_get_timings(self.ptr)
+        return {name: getattr(t, name) for name, _ in ffi.typeof(t).fields}
+
+    def reset_timings(self) -> None:
+        """Reset the timings and the sparse statistics."""
+        lib.powerinfer_reset_timings(self.ptr)
+
+    def sparse_stats(self, layer: int) -> Tuple[int, int]:
+        """(active FFN neurons, neurons considered) of `layer`, summed over the sparse steps."""
+        active, total = ffi.new("int64_t *"), ffi.new("int64_t *")
+        rc = lib.powerinfer_sparse_stats(self.ptr, layer, active, total)
+        if rc != OK:
+            raise core_error(f"sparse statistics of layer {layer}", rc)
+        return int(active[0]), int(total[0])
+
+    def activation_histograms(self) -> Tuple[np.ndarray, float, float]:
+        """Per-layer histograms of |act(gate)| since the context was made (needs
+        collect_activations=True): (counts uint64 [n_layer, n_bins], log10_min, log10_max)."""
+        ptr = self.ptr
+        lo, hi = ffi.new("float *"), ffi.new("float *")
+        n_bins = lib.powerinfer_activation_histogram(ptr, 0, ffi.NULL, 0, lo, hi)
+        n_layer = self.model.n_layer()
+        counts = np.zeros((n_layer, max(n_bins, 0)), dtype=np.uint64)
+        buf = ffi.new("uint64_t[]", max(n_bins, 1))
+        for il in range(n_layer):
+            if lib.powerinfer_activation_histogram(ptr, il, buf, n_bins, lo, hi) != n_bins:
+                raise core_error(f"activation histogram of layer {il}")
+            counts[il] = np.frombuffer(ffi.buffer(buf, 8 * n_bins), dtype=np.uint64)
+        return counts, float(lo[0]), float(hi[0])
+
+    # ---- profiling ---------------------------------------------------------------------------------
+
+    def set_ffn_capture(self, enable: bool) -> None:
+        """While enabled, decodes run the dense FFN and keep every layer's FFN input and activation."""
+        rc = lib.powerinfer_set_ffn_capture(self.ptr, enable)
+        if rc != OK:
+            raise core_error("the engine cannot capture FFN activations", rc)
+
+    def ffn_capture(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(x_res [T, n_embd], act [T, n_ff]) of `layer` for the T tokens of the last chunk, as views."""
+        xp, ap = ffi.new("float **"), ffi.new("float **")
+        t = lib.powerinfer_get_ffn_capture(self.ptr, layer, xp, ap)
+        if t < 0:
+            raise core_error(f"FFN capture of layer {layer}", t)
+        return _float_view(xp[0], t, self.n_embd), _float_view(ap[0], t, self.model.n_ff())
+
+    # ---- hybrid placement ------------------------------------------------------------------------------
+
+    def placement(self) -> Dict[str, Any]:
+        """What the hybrid placement put on the device (struct powerinfer_placement; bytes)."""
+        p = ffi.new("struct powerinfer_placement *")
+        lib.powerinfer_get_placement(self.ptr, p)
+        out: Dict[str, Any] = {"device": ffi.string(p.device).decode()}
+        for k in ("active", "emulated", "from_cache"):
+            out[k] = bool(getattr(p, k))
+        for k in ("budget", "bytes_total", "bytes_dense", "bytes_kv", "bytes_compute", "bytes_ffn",
+                  "n_layers_attn", "n_hot", "n_neurons"):
+            out[k] = int(getattr(p, k))
+        return out
+
+    def hot_neurons(self, layer: int) -> np.ndarray:
+        """Ids of the FFN neurons of `layer` placed on the device (ascending)."""
+        ptr = self.ptr
+        n = lib.powerinfer_layer_hot_neurons(ptr, layer, ffi.NULL, 0)
+        if n < 0:
+            raise core_error("hot_neurons")
+        ids = np.zeros(max(n, 1), dtype=np.int32)
+        lib.powerinfer_layer_hot_neurons(ptr, layer, ffi.cast("int32_t *", ids.ctypes.data), n)
+        return ids[:n]

@@ -1,0 +1,188 @@
+"""`Model`: an owned `struct powerinfer_model *`, in the style of llama-cpp-python's
+_internals.LlamaModel.
+
+`Model(path, **params)` loads a GGUF with the core's default parameters, overridden by
+the given `struct powerinfer_model_params` fields, and raises PowerInferError when the
+core refuses the file. `close()` frees it exactly once (first closing the contexts and
+samplers made from it, which point into it); it is a context manager, and garbage
+collection closes it too.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .bindings import ffi, last_error, lib, string
+from .errors import core_error
+from .handle import Handle
+
+# enum powerinfer_sparse_mode by name
+SPARSE_MODES: Dict[str, int] = {
+    "auto": lib.POWERINFER_SPARSE_AUTO,
+    "dense": lib.POWERINFER_SPARSE_DENSE,
+    "gate": lib.POWERINFER_SPARSE_GATE,
+    "predictor": lib.POWERINFER_SPARSE_PREDICTOR,
+}
+
+
+def model_params(**fields: Any):
+    """struct powerinfer_model_params: the core's defaults with `fields` set by name
+    (`sparse_mode` also takes a name from SPARSE_MODES)."""
+    params = lib.powerinfer_model_default_params()
+    for name, value in fields.items():
+        if name == "sparse_mode" and isinstance(value, str):
+            value = SPARSE_MODES[value]
+        try:
+            setattr(params, name, value)
+        except AttributeError:
+            raise TypeError(f"struct powerinfer_model_params has no field {name!r}") from None
+    return params
+
+
+def _read_string(fn, *args) -> str:
+    """Calls a core function of the form f(..., char *buf, size_t buf_size) -> full length."""
+    size = 256
+    while True:
+        buf = ffi.new("char[]", size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return ""
+        if n < size:
+            return ffi.string(buf).decode("utf-8", errors="replace")
+        size = n + 1
+
+
+class Model(Handle):
+    """A loaded model: hyper-parameters, metadata, vocabulary and placement input."""
+
+    _kind = "model"
+
+    def __init__(self, path: "os.PathLike[str] | str", **params: Any):
+        self._dependents: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+        self.path = os.fspath(path)
+        self.params = model_params(**params)
+        ptr = lib.powerinfer_model_load(os.fsencode(self.path), self.params)
+        if ptr == ffi.NULL:
+            raise core_error(f"Failed to load model from file: {self.path}")
+        self._ptr = ptr
+
+    # ---- lifetime --------------------------------------------------------------------
+
+    def _attach(self, dependent: Handle) -> None:
+        """Registers a context or sampler that must be closed before the model is freed."""
+        self._dependents.add(dependent)
+
+    def close(self) -> None:
+        """Free the model now (idempotent); its open contexts and samplers are closed first."""
+        for dependent in list(self._dependents):
+            dependent.close()
+        super().close()
+
+    def _free(self, ptr) -> None:
+        lib.powerinfer_model_free(ptr)
+
+    # ---- hyper-parameters --------------------------------------------------------------
+
+    def arch(self) -> str:
+        return string(lib.powerinfer_model_arch(self.ptr))
+
+    def n_vocab(self) -> int:
+        return int(lib.powerinfer_model_n_vocab(self.ptr))
+
+    def n_ctx_train(self) -> int:
+        return int(lib.powerinfer_model_n_ctx_train(self.ptr))
+
+    def n_embd(self) -> int:
+        return int(lib.powerinfer_model_n_embd(self.ptr))
+
+    def n_layer(self) -> int:
+        return int(lib.powerinfer_model_n_layer(self.ptr))
+
+    def n_head(self) -> int:
+        return int(lib.powerinfer_model_n_head(self.ptr))
+
+    def n_ff(self) -> int:
+        return int(lib.powerinfer_model_n_ff(self.ptr))
+
+    def size(self) -> int:
+        """Bytes of weights."""
+        return int(lib.powerinfer_model_size(self.ptr))
+
+    def n_params(self) -> int:
+        return int(lib.powerinfer_model_n_params(self.ptr))
+
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes of the named weight tensor in the file, -1 if there is none."""
+        return int(lib.powerinfer_model_tensor_nbytes(self.ptr, name.encode()))
+
+    def sparse_mode(self) -> str:
+        """The sparse mode the model runs in ("dense", "gate", "predictor"; auto resolved)."""
+        return string(lib.powerinfer_sparse_mode_name(lib.powerinfer_model_sparse_mode(self.ptr)))
+
+    def sparse_threshold(self, layer: int) -> float:
+        return float(lib.powerinfer_model_sparse_threshold(self.ptr, layer))
+
+    def ffn_activation(self) -> str:
+        return string(lib.powerinfer_model_ffn_activation(self.ptr))
+
+    def metadata(self) -> Dict[str, str]:
+        """Every GGUF key, its value rendered as a string (arrays as "[n items]")."""
+        ptr = self.ptr
+        out: Dict[str, str] = {}
+        for i in range(lib.powerinfer_model_meta_count(ptr)):
+            key = _read_string(lib.powerinfer_model_meta_key_by_index, ptr, i)
+            out[key] = _read_string(lib.powerinfer_model_meta_val_str_by_index, ptr, i)
+        return out
+
+    # ---- vocabulary ------------------------------------------------------------------------
+
+    def token_bos(self) -> int:
+        return int(lib.powerinfer_token_bos(self.ptr))
+
+    def token_eos(self) -> int:
+        return int(lib.powerinfer_token_eos(self.ptr))
+
+    def token_is_eog(self, token: int) -> bool:
+        return bool(lib.powerinfer_token_is_eog(self.ptr, token))
+
+    def add_bos(self) -> bool:
+        """Whether the vocabulary asks for BOS in front of a text."""
+        return bool(lib.powerinfer_vocab_add_bos(self.ptr))
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> List[int]:
+        """Token ids of utf-8 `text` (RuntimeError if the core cannot tokenize it)."""
+        ptr = self.ptr
+        n_max = len(text) + 8
+        for _ in range(2):
+            buf = ffi.new("powerinfer_token[]", n_max)
+            n = lib.powerinfer_tokenize(ptr, text, len(text), buf, n_max, add_special, parse_special)
+            if n >= 0:
+                return list(ffi.unpack(buf, n))
+            n_max = -n
+        raise RuntimeError(f'Failed to tokenize: text="{text!r}" n_tokens={n}: {last_error()}')
+
+    def token_to_piece(self, token: int, special: bool) -> bytes:
+        ptr = self.ptr
+        size = 64
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.powerinfer_token_to_piece(ptr, int(token), buf, size, special)
+            if n >= 0:
+                return ffi.buffer(buf, n)[:]
+            if -n <= size:  # a negative count that is not a size request
+                raise RuntimeError(f"Failed to convert token {token} to text: {last_error()}")
+            size = -n
+
+    # ---- hybrid placement input --------------------------------------------------------------
+
+    def set_act_counts(self, counts: np.ndarray, what: Optional[str] = None) -> None:
+        """Per-neuron activation counts [n_layer, n_ff] for the placement (before the first context)."""
+        flat = np.ascontiguousarray(counts, dtype=np.float32)
+        n_layer, n_ff = flat.shape
+        rc = lib.powerinfer_model_set_act_counts(self.ptr, ffi.cast("float *", flat.ctypes.data), n_layer, n_ff)
+        if rc != 0:
+            raise core_error(what or "activation counts rejected")

@@ -1,0 +1,120 @@
+"""`Sampler`: an owned `struct powerinfer_sampler *`, the sampler of one generation: a
+libpowerinfer sampler chain set up the way llama-cpp-python 0.3.36's
+Llama._init_sampler sets up its libllama chain, plus the Python logits processors,
+which run on a copy of the logits row before the chain. It keeps its Model alive and
+is freed exactly once (close(), garbage collection, or closing the model)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .bindings import ffi, lib
+from .context import Context
+from .errors import core_error
+from .handle import Handle
+from .model import Model
+
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def grammar_text(grammar: Any) -> tuple:
+    """(GBNF text, root rule) of a llama_cpp LlamaGrammar (or a plain GBNF string)."""
+    if isinstance(grammar, str):
+        return grammar, "root"
+    text = getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        raise TypeError(f"grammar must be a LlamaGrammar or a GBNF string, not {type(grammar).__name__}")
+    return text, getattr(grammar, "_root", None) or "root"
+
+
+class Sampler(Handle):
+    """Token selection for one generate() call.
+
+    Chain, as upstream: [logits processors] -> grammar -> penalties -> greedy (temp == 0),
+    a plain draw (temp < 0), Mirostat 1/2, or top-k -> typical -> top-p -> min-p ->
+    temperature -> draw. The core's chain puts the grammar before the penalties;
+    upstream puts it after: the two commute (the grammar only sets logits to -inf).
+    """
+
+    _kind = "sampler"
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        seed: int,
+        temp: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        typical_p: float,
+        mirostat_mode: int,
+        mirostat_tau: float,
+        mirostat_eta: float,
+        penalty_last_n: int,
+        repeat_penalty: float,
+        frequency_penalty: float,
+        presence_penalty: float,
+        grammar: Any = None,
+        logits_processor: Optional[Sequence[LogitsProcessor]] = None,
+    ):
+        self.model = model  # the chain reads the model's vocabulary: keep it alive
+        self.n_vocab = model.n_vocab()
+        self.logits_processor = logits_processor if logits_processor else None
+        p = lib.powerinfer_sampler_default_params()
+        p.seed = int(seed) & 0xFFFFFFFF
+        p.penalty_last_n = penalty_last_n
+        p.penalty_repeat = repeat_penalty
+        p.penalty_freq = frequency_penalty
+        p.penalty_present = presence_penalty
+        p.mirostat_tau = mirostat_tau
+        p.mirostat_eta = mirostat_eta
+        if temp < 0.0:
+            # Upstream draws from the softmax of the raw logits: no truncation, no temperature.
+            p.temp, p.top_k, p.top_p, p.min_p, p.typical_p, p.mirostat = 1.0, 0, 1.0, 0.0, 1.0, 0
+        elif temp == 0.0:
+            p.temp = 0.0
+        elif mirostat_mode in (1, 2):
+            # Upstream's chain has no temperature step before Mirostat; the core's applies
+            # `temp` there, so 1.0 (the identity) gives upstream's chain.
+            p.temp, p.mirostat = 1.0, mirostat_mode
+        else:
+            # Other mirostat_mode values mean "off" upstream, too.
+            p.temp, p.top_k, p.top_p, p.min_p, p.typical_p = temp, top_k, top_p, min_p, typical_p
+        # The char buffers must outlive the sampler: keep them on this object.
+        self._grammar_buf = self._root_buf = ffi.NULL
+        if grammar is not None:
+            text, root = grammar_text(grammar)
+            self._grammar_buf = ffi.new("char[]", text.encode("utf-8"))
+            self._root_buf = ffi.new("char[]", root.encode("utf-8"))
+            p.grammar, p.grammar_root = self._grammar_buf, self._root_buf
+        ptr = lib.powerinfer_sampler_new(model.ptr, p)
+        if ptr == ffi.NULL:
+            raise core_error("invalid sampling parameters")
+        self._ptr = ptr
+        model._attach(self)
+
+    def _free(self, ptr) -> None:
+        lib.powerinfer_sampler_free(ptr)
+
+    def sample(self, ctx: Context, row: int, input_ids: np.ndarray) -> int:
+        """Select a token from logits row `row` of the last decode (negative: from the end)
+        and record it (penalty history, grammar state)."""
+        if self.logits_processor is None:
+            token = int(lib.powerinfer_sampler_sample(self.ptr, ctx.ptr, row))
+        else:
+            logits = ctx.logits(row).copy()
+            for processor in self.logits_processor:
+                logits[:] = processor(input_ids, logits)
+            logits = np.ascontiguousarray(logits, dtype=np.float32)
+            token = int(lib.powerinfer_sampler_sample_logits(self.ptr, ffi.from_buffer("float[]", logits), self.n_vocab))
+            if token >= 0:
+                lib.powerinfer_sampler_accept(self.ptr, token)
+        if token < 0:
+            raise core_error("sampling failed")
+        return token
+
+    def reset(self) -> None:
+        lib.powerinfer_sampler_reset(self.ptr)

@@ -1,0 +1,76 @@
+"""The fallback engine: for what the core does not implement (an architecture, LoRA, KV
+overrides, ...), Llama wraps llama-cpp-python's own Llama and forwards to it.
+
+Every function takes the powerinfer_py.Llama it serves as `llama`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Dict
+
+from .._core import PowerInferError
+from .._core.errors import ERR_UNSUPPORTED
+from . import upstream
+from .constants import ENGINE_LLAMA_CPP
+
+
+def delegates(method):
+    """On the fallback engine, the method of the same name of the wrapped llama_cpp.Llama runs."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        fallback = self.__dict__.get("_fallback")
+        if fallback is not None:
+            return getattr(fallback, name)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def load(llama: Any, core_message: str, params: Dict[str, Any]) -> None:
+    """Loads llama.model_path on llama-cpp-python's engine (the same constructor params)."""
+    try:
+        upstream_llama = upstream.llama_module().Llama
+    except ImportError:
+        raise PowerInferError(
+            f"Failed to load model from file: {llama.model_path}: {core_message} "
+            "(install llama-cpp-python==0.3.36 to run it on the dense fallback engine)",
+            ERR_UNSUPPORTED,
+        ) from None
+    if llama.verbose:
+        print(f"powerinfer_py: {core_message}; falling back to engine {ENGINE_LLAMA_CPP}", file=sys.stderr)
+    try:
+        fallback = upstream_llama(model_path=llama.model_path, **params)
+    except Exception as e:
+        raise PowerInferError(
+            f"Failed to load model from file: {llama.model_path}: {core_message}; "
+            f"the {ENGINE_LLAMA_CPP} fallback failed too: {e}",
+            ERR_UNSUPPORTED,
+        ) from e
+    llama._fallback = fallback
+    llama.engine = ENGINE_LLAMA_CPP
+    if llama.verbose:
+        print(f"powerinfer_py: engine {ENGINE_LLAMA_CPP} (dense)", file=sys.stderr)
+
+
+def timings(fallback: Any) -> Dict[str, float]:
+    """llama.cpp's perf counters of the wrapped context, by struct powerinfer_timings names."""
+    t = upstream.module().llama_perf_context(fallback.ctx)
+    return {
+        "t_load_ms": t.t_load_ms,
+        "t_prompt_ms": t.t_p_eval_ms,
+        "n_prompt": t.n_p_eval,
+        "t_eval_ms": t.t_eval_ms,
+        "n_eval": t.n_eval,
+    }
+
+
+def reset_timings(fallback: Any) -> None:
+    upstream.module().llama_perf_context_reset(fallback.ctx)
+
+
+def token_is_eog(fallback: Any, token: int) -> bool:
+    return bool(upstream.module().llama_vocab_is_eog(fallback._model.vocab, token))

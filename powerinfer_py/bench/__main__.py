@@ -1,0 +1,25 @@
+"""`python -m powerinfer_py.bench [dense|sparse|hybrid] [options]`; no word runs `dense`.
+`--child SPEC` is the benchmarks' own child process (bench.common.spawn)."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from . import dense, hybrid, sparse
+from .common import child_main
+
+BENCHMARKS = {"dense": dense.main, "sparse": sparse.main, "hybrid": hybrid.main}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"] and len(argv) == 2:
+        return child_main(argv[1])
+    if argv and argv[0] in BENCHMARKS:
+        return BENCHMARKS[argv[0]](argv[1:])
+    return dense.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

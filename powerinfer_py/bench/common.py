@@ -1,0 +1,138 @@
+"""What the benchmarks share: the child-process runner (each measured run in a fresh
+process, so its peak RSS is its own), the table printer (every table says which CPU it
+ran on), the machine's memory bandwidth, and the synthetic model pair's arguments."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from ..assets.models import cache_dir
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+# ---- child processes ---------------------------------------------------------------------
+
+
+class ChildError(RuntimeError):
+    """A benchmark child that printed no result: `reason` (exit status or signal) and its output."""
+
+    def __init__(self, reason: str, output: str):
+        super().__init__(f"{reason}: {output[-800:]}")
+        self.reason, self.output = reason, output
+
+
+def spawn(fn: Callable[..., Dict[str, Any]], **kwargs: Any) -> Dict[str, Any]:
+    """fn(**kwargs) (a module-level function of this package returning a JSON-able dict),
+    run in a fresh `python -m powerinfer_py.bench --child` process; ChildError if the
+    child prints no result line."""
+    module = fn.__module__
+    if module == "__main__":  # the parent runs as `python -m powerinfer_py.bench.<name>`
+        module = sys.modules["__main__"].__spec__.name
+    spec = {"target": f"{module}:{fn.__qualname__}", "kwargs": kwargs}
+    cmd = [sys.executable, "-m", "powerinfer_py.bench", "--child", json.dumps(spec)]
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    reason = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
+    raise ChildError(reason, (r.stderr or r.stdout).strip())
+
+
+def child_main(spec_json: str) -> int:
+    """The child side of spawn(): runs the named function and prints its result line."""
+    spec = json.loads(spec_json)
+    module, name = spec["target"].split(":")
+    fn = getattr(importlib.import_module(module), name)
+    print(RESULT_PREFIX + json.dumps(fn(**spec["kwargs"])), flush=True)
+    return 0
+
+
+# ---- the machine ---------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo) and its number of cores."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def measure_bandwidth(threads: int, n_bytes: int = 1 << 30) -> float:
+    """Read bandwidth with `threads` threads, in bytes/s: best of 3 passes in which each
+    thread sums its share of a 1 GiB array (numpy releases the GIL in the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(n_bytes // 8, dtype=np.float64)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, n_bytes / (time.perf_counter() - t))
+    return best
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], align: bool = False) -> None:
+    """A Markdown table under its title and the CPU it ran on; `align` pads the columns."""
+    print(f"{title}\nCPU: {cpu_model()}\n")
+    if align:
+        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    else:
+        widths = [0] * len(header)
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) if align else "---" for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+# ---- the synthetic pair -------------------------------------------------------------------------
+
+
+def default_pair() -> Dict[str, str]:
+    """The 7B-shaped synthetic pair (python -m powerinfer_py.assets.synthetic --preset 7b)."""
+    cache = cache_dir() / "synthetic"
+    return {"dense": str(cache / "relu-7b-shaped.gguf"), "powerinfer": str(cache / "relu-7b-shaped.powerinfer.gguf")}
+
+
+MISSING_PAIR_HINT = ("make it with `python -m powerinfer_py.assets.synthetic --preset 7b "
+                     "--out ~/.cache/powerinfer-py/synthetic`")
+
+
+def add_pair_arguments(p: argparse.ArgumentParser, dense_help: str, powerinfer_help: str) -> None:
+    """The model pair, threads, decoded tokens and --json of the sparse and hybrid benchmarks."""
+    d = default_pair()
+    p.add_argument("--dense", default=d["dense"], help=dense_help)
+    p.add_argument("--powerinfer", default=d["powerinfer"], help=powerinfer_help)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--json", help="also write the results here")
+
+
+def missing_pair(paths: Sequence[str]) -> Optional[str]:
+    """An error message if one of the model files is missing."""
+    for path in paths:
+        if not os.path.exists(path):
+            return f"error: {path} not found; {MISSING_PAIR_HINT}"
+    return None

@@ -1,0 +1,50 @@
+"""`powerinfer` command: the offline pipeline's subcommands.
+
+    powerinfer profile MODEL --corpus FILE...          count activations, sample predictor data
+    powerinfer train-predictor --samples DIR --out DIR train per-layer predictors
+    powerinfer convert INPUT --out OUT.powerinfer.gguf HF dir / GGUF -> PowerInfer GGUF
+    powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf   SiLU -> sparse ReLU (needs torch)
+    powerinfer calibrate MODEL.gguf --corpus FILE... --out OUT.gguf  SiLU gate thresholds (training-free)
+    powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
+
+`powerinfer COMMAND -h` shows each command's options. Each is also runnable as
+`python -m powerinfer_py.pipeline COMMAND ...` or `python -m powerinfer_py.pipeline.<module>`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# command -> (module, one-line help). Adding a command is one line here; the module
+# needs a main(argv) -> int.
+# Each module is imported when its command runs, so a command that does not run the
+# engine (convert, train-predictor) works without libpowerinfer.
+COMMANDS = {
+    "profile": ("powerinfer_py.pipeline.profile", "run the engine over a corpus: activation counts, predictor samples"),
+    "train-predictor": ("powerinfer_py.pipeline.train_predictor", "train per-layer low-rank activation predictors"),
+    "convert": ("powerinfer_py.pipeline.convert", "HF safetensors dir or GGUF -> PowerInfer GGUF (PWRI)"),
+    "relufy": ("powerinfer_py.pipeline.relufy", "replace SiLU by ReLU and fine-tune for sparsity (needs torch)"),
+    "calibrate": ("powerinfer_py.pipeline.calibrate", "training-free gate thresholds for SiLU models (CATS-style)"),
+    "place": ("powerinfer_py.pipeline.place", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<16} {text}")
+        return 0 if argv else 2
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        print(f"error: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[cmd][0]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
