@@ -1,7 +1,9 @@
-"""Helpers of scripts/make_relu_smollm2.sh: build the corpus, and evaluate + report.
+"""Helpers of examples/relu_smollm2/make_relu_smollm2.sh: build the corpus, and evaluate + report.
 
-    python scripts/relu_smollm2.py corpus OUT_DIR
-    python scripts/relu_smollm2.py report WORK_DIR ORIGINAL.gguf
+    python examples/relu_smollm2/relu_smollm2.py corpus OUT_DIR [TEXT_FILE]
+    python examples/relu_smollm2/relu_smollm2.py report WORK_DIR ORIGINAL.gguf
+
+The report reads N_EVAL (tokens per held-out passage) and N_PASSAGES from the environment.
 """
 
 import glob
@@ -16,6 +18,17 @@ from pathlib import Path
 import numpy as np
 
 HELD_PLAYS = ("the-tempest.md", "twelfth-night.md")
+
+
+def split_corpus(out: str, source: str) -> None:
+    """Any text file as the corpus: its last tenth (cut at a line end) is held out."""
+    os.makedirs(out, exist_ok=True)
+    text = Path(source).read_text(errors="replace")
+    cut = text.find("\n", int(len(text) * 0.9))
+    cut = cut if cut > 0 else int(len(text) * 0.9)
+    Path(out, "train.txt").write_text(text[:cut])
+    Path(out, "heldout.txt").write_text(text[cut:])
+    print(f"corpus: {source}; train {cut} chars, held out {len(text) - cut} chars")
 
 
 def build_corpus(out: str) -> None:
@@ -79,15 +92,15 @@ def _llama_cpp_decode(model: str, text: str, n_tokens: int, threads: int = 2):
 
 
 def report(work: str, original: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from powerinfer_py.calibrate import evaluate
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from powerinfer_py.pipeline.calibrate import evaluate
 
     w = Path(work)
     relu = str(w / "relu-smollm2.gguf")
     pwri = str(w / "ReLU-SmolLM2-135M.powerinfer.gguf")
     held = (w / "corpus" / "heldout.txt").read_text()
     n_eval = int(os.environ.get("N_EVAL", "200"))
-    parts = _heldout_sample(held)
+    parts = _heldout_sample(held, int(os.environ.get("N_PASSAGES", "4")))
     rows = {}
     for name, fn in (
         ("original SmolLM2 (llama-cpp-python)", lambda t: _llama_cpp_decode(original, t, n_eval)),
@@ -142,7 +155,9 @@ def report(work: str, original: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "corpus":
+    if sys.argv[1] == "corpus" and len(sys.argv) > 3:
+        split_corpus(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "corpus":
         build_corpus(sys.argv[2])
     elif sys.argv[1] == "report":
         report(sys.argv[2], sys.argv[3])

@@ -1,0 +1,133 @@
+"""Every program in examples/ runs, with short outputs, so that none rots: the Python
+examples on SmolLM2 (the `openai` client one against `python -m powerinfer_py.server`),
+the ReLU-SmolLM2 pipeline walk in a tiny configuration, and the C example
+build/bin/simple (examples/simple.c)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from conftest import N_THREADS, REPO_DIR
+
+EXAMPLES = REPO_DIR / "examples"
+SIMPLE = REPO_DIR / "build" / "bin" / "simple"
+
+
+def _run(args: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 600) -> str:
+    r = subprocess.run([str(a) for a in args], cwd=REPO_DIR, env={**os.environ, **(env or {})},
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{args}: exit status {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def _example(name: str, *args: str, model: Optional[str] = None) -> str:
+    return _run([sys.executable, EXAMPLES / name, *args], {"POWERINFER_MODEL": model} if model else None)
+
+
+def test_completion(smollm2_path):
+    out = _example("completion.py", model=smollm2_path)
+    assert out.startswith("The three primary colors are ")
+    assert "engine: powerinfer" in out and "finish reason:" in out
+    # The model path and the prompt as arguments.
+    out = _example("completion.py", smollm2_path, "The capital of France is")
+    assert out.startswith("The capital of France is") and "Paris" in out
+
+
+def test_streaming_chat(smollm2_path):
+    out = _example("streaming_chat.py", model=smollm2_path)
+    assert out.strip(), out
+
+
+def test_switch_from_llama_cpp(smollm2_path):
+    out = _example("switch_from_llama_cpp.py", model=smollm2_path)
+    assert "llama_cpp.Llama is powerinfer_py.llama.Llama" in out
+    assert "completion: " in out
+    assert ("grammar-constrained: yes" in out) or ("grammar-constrained: no" in out), out
+
+
+def test_hybrid_placement(smollm2_path):
+    out = _example("hybrid_placement.py", smollm2_path, "0.25", model=smollm2_path)
+    placement = ast.literal_eval(next(line for line in out.splitlines() if line.startswith("{")))
+    assert placement["active"] and 0 < placement["bytes_total"] <= placement["budget"] == int(0.25 * 2**30)
+    assert "completion: Paris" in out
+
+
+def test_langchain_chain(smollm2_path):
+    pytest.importorskip("langchain_core", reason="the langchain extra is not installed")
+    out = _example("langchain_chain.py", model=smollm2_path)
+    assert "Paris" in out, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_client(smollm2_path):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi", reason="the server extra is not installed")
+    httpx = pytest.importorskip("httpx")
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "powerinfer_py.server", "--model", smollm2_path, "--host", "127.0.0.1",
+        "--port", str(port), "--n_ctx", "512", "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS),
+        "--model_alias", "smollm2", "--verbose", "false",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "HOST", "PORT", "MODEL")}
+    proc = subprocess.Popen(cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the server did not come up within 90 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        out = _example("openai_client.py", f"{url}/v1")
+        assert "server model: smollm2" in out
+        assert "completion: 5" in out, out
+        chat = next(line for line in out.splitlines() if line.startswith("chat: "))
+        assert chat[len("chat: "):].strip(), out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_relu_smollm2_walk(smollm2_path, tmp_path):
+    """The whole pipeline walk (relufy -> profile -> train-predictor -> convert -> report)
+    in a tiny configuration, on a corpus made of this repository's documentation."""
+    pytest.importorskip("torch", reason="relufy needs torch (the pipeline extra)")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(p.read_text() for p in [REPO_DIR / "README.md", *sorted((REPO_DIR / "docs").glob("*.md"))]))
+    work = tmp_path / "work"
+    knobs = dict(STEPS="2", STEPS2="0", SEQ_LEN="32", BATCH="1", N_PROFILE="256", N_HELDOUT="256", SAMPLES="200",
+                 RANK="32", MIN_STEPS="20", OUTTYPE="f16", N_EVAL="16", N_PASSAGES="1", CORPUS=str(corpus), WORK=str(work))
+    out = _run(["bash", EXAMPLES / "relu_smollm2" / "make_relu_smollm2.sh", smollm2_path], knobs)
+    assert "total wall time" in out
+    assert (work / "ReLU-SmolLM2-135M.powerinfer.gguf").is_file()
+    report = (work / "report.md").read_text()
+    assert "ReLU-SmolLM2 predictor" in report and "Predictor recall per layer" in report
+
+
+def test_simple_c(smollm2_path):
+    if not SIMPLE.is_file():
+        pytest.skip(f"{SIMPLE.relative_to(REPO_DIR)} is not built (examples/simple.c, a CMake target of the C core)")
+    out = _run([SIMPLE, "-m", smollm2_path, "-p", "The capital of France is", "-n", "8"], timeout=300)
+    assert out.strip(), "build/bin/simple printed no text"
