@@ -363,6 +363,8 @@ static int32_t place_ffn(struct powerinfer_model * model, const struct pi_placem
     // FFN rows (the loop below re-measures and shrinks if that was not enough).
     const uint64_t fixed = placement_total(pl) + pl->bytes_compute / 64 + (64u << 10);
     uint64_t capacity = pl->budget > fixed ? pl->budget - fixed : 0;
+    const uint64_t capacity0 = capacity;  // the cache's key: what the first attempt had
+    bool solved = false;
     char path[4096];
     snprintf(path, sizeof(path), "%s.generated.gpuidx", model->path);
     int32_t rc = POWERINFER_OK;
@@ -382,14 +384,11 @@ static int32_t place_ffn(struct powerinfer_model * model, const struct pi_placem
         pi_clear_error();
         if (!pl->from_cache) {
             if ((rc = solve_ffn(model, capacity, is_hot, &have_counts)) != POWERINFER_OK) break;
+            solved = have_counts;
             if (!have_counts) {
                 pi_log(POWERINFER_LOG_WARN, "%s: the model has no activation counts (blk.N.ffn_act_count; "
                        "`powerinfer profile` makes them); FFN stays on the CPU\n", tag);
                 break;
-            }
-            if (attempt == 0 && pi_gpuidx_write(model, path, capacity, (const uint8_t * const *) is_hot) != POWERINFER_OK) {
-                pi_log(POWERINFER_LOG_WARN, "%s: %s\n", tag, powerinfer_last_error());
-                pi_clear_error();
             }
         }
         if ((rc = pi_offload_ffn(model, &pl->device, is_hot)) != POWERINFER_OK) break;
@@ -414,6 +413,19 @@ static int32_t place_ffn(struct powerinfer_model * model, const struct pi_placem
         pi_offload_free_ffn(&model->offload, n_layer);
         pl->bytes_ffn = 0;
         rc = remeasure(pl, host);
+    }
+    if (rc == POWERINFER_OK && solved) {
+        // The sets placed, under the first attempt's capacity: the next load with the same
+        // budget and context reuses them at once.
+        for (int32_t il = 0; il < n_layer; ++il) {
+            const struct pi_offload_layer * ol = &model->offload.layers[il];
+            if (ol->is_hot) memcpy(is_hot[il], ol->is_hot, (size_t) n_ff);
+            else memset(is_hot[il], 0, (size_t) n_ff);
+        }
+        if (pi_gpuidx_write(model, path, capacity0, (const uint8_t * const *) is_hot) != POWERINFER_OK) {
+            pi_log(POWERINFER_LOG_WARN, "%s: %s\n", tag, powerinfer_last_error());
+            pi_clear_error();
+        }
     }
     return rc;
 }
