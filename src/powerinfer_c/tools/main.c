@@ -200,6 +200,31 @@ static char * read_file(const char * path) {
     return buf;
 }
 
+// The share of FFN neurons the sparse steps computed, overall and per layer (the
+// timings' counters: steps since the prompt, through the sparse operators only).
+static void print_sparse_activity(const struct powerinfer_model * model, const struct powerinfer_context * ctx) {
+    const int32_t n_layer = powerinfer_model_n_layer(model);
+    int64_t sum_a = 0, sum_t = 0;
+    char per_layer[2048];
+    size_t len = 0;
+    per_layer[0] = '\0';
+    for (int32_t il = 0; il < n_layer; ++il) {
+        int64_t a = 0, t = 0;
+        if (powerinfer_sparse_stats(ctx, il, &a, &t) != POWERINFER_OK || t == 0) {
+            continue;
+        }
+        sum_a += a;
+        sum_t += t;
+        if (len + 8 < sizeof(per_layer)) {
+            len += (size_t) snprintf(per_layer + len, sizeof(per_layer) - len, " %.0f", 100.0 * a / t);
+        }
+    }
+    if (sum_t == 0) {
+        return;  // dense mode, or no sparse step ran
+    }
+    fprintf(stderr, "sparse FFN  = %.1f%% of neurons active (per layer, %%:%s)\n", 100.0 * sum_a / sum_t, per_layer);
+}
+
 static void print_piece(const struct powerinfer_model * model, powerinfer_token tok) {
     char buf[256];
     int32_t n = powerinfer_token_to_piece(model, tok, buf, sizeof(buf), false);
@@ -366,6 +391,7 @@ int main(int argc, char ** argv) {
     fprintf(stderr, "eval        = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)\n",
             t.t_eval_ms, t.n_eval, t.n_eval ? t.t_eval_ms / t.n_eval : 0.0,
             t.t_eval_ms > 0 ? 1e3 * t.n_eval / t.t_eval_ms : 0.0);
+    print_sparse_activity(model, ctx);
 
 done:
     free(tokens);
