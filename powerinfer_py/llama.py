@@ -32,7 +32,7 @@ from ._llama import loading as _loading
 from ._llama import state as _state
 from ._llama import tokenizer as _tokenizer
 from ._llama import upstream as _upstream
-from ._llama.constants import (  # noqa: F401  (llama.cpp's names, importable from here as upstream)
+from ._llama.constants import (  # noqa: F401  (also importable from powerinfer_py.llama, as before)
     ENGINE_LLAMA_CPP,
     ENGINE_POWERINFER,
     LLAMA_ATTENTION_TYPE_UNSPECIFIED,
