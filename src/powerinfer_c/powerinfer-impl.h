@@ -36,15 +36,6 @@ enum pi_arch {
     PI_ARCH_FALCON, // LayerNorm, fused QKV, attention and FFN in parallel from the same input
 };
 
-enum pi_ffn_act {
-    PI_ACT_SILU,
-    PI_ACT_RELU,
-    PI_ACT_GELU,
-    PI_ACT_DRELU, // relu(gate) * relu(up) (Bamboo, TurboSparse)
-};
-
-// ReLU-family activations: a neuron whose activation is 0 contributes nothing.
-static inline bool pi_act_is_relu(enum pi_ffn_act act) { return act == PI_ACT_RELU || act == PI_ACT_DRELU; }
 
 struct pi_hparams {
     int32_t n_vocab;
@@ -76,6 +67,11 @@ struct pi_layer {
     struct ggml_tensor * ffn_down;         // optional when ffn_down_t is present
     struct ggml_tensor * ffn_down_t;       // [n_embd, n_ff]: row i = neuron i's output weights
     struct ggml_tensor * fc1, * fc2;       // predictor: [n_embd, r], [r, n_ff]
+    // Batch copies (repack.c), used by batches larger than the sparse path takes; NULL
+    // when the tensors above serve batches as they are.
+    struct ggml_tensor * ffn_gate_b, * ffn_up_b; // repacked copies of rows the sparse path reads
+    struct ggml_tensor * ffn_down_b;       // [n_ff, n_embd]: ffn_down_t transposed (files without ffn_down)
+    bool                 ffn_down_b_packed; // ffn_down_b is packed for packed_matmul.c (else a ggml type)
     float                sparse_tau;       // activation threshold (gate or predictor mode)
 };
 
@@ -238,6 +234,10 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model);
 // Offers the pointed-to mapped weights to the CPU backend's repacked buffer types;
 // moved tensors are replaced in place (each pointer offered at most once).
 int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor ** weights[], int32_t n_weights);
+// Copies for batches of the FFN rows the sparse path reads from the mapping (ffn_up_b,
+// ffn_gate_b, repacked; only with `repacked`) and ffn_down_t transposed back (ffn_down_b);
+// see repack.c.
+int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked);
 void    pi_repack_free(struct powerinfer_model * model);
 
 // ---- vocab.c ----

@@ -1,16 +1,13 @@
 // sparse_ops.c - neuron-aware CPU operators, as ggml custom ops: the FFN computed only
-// for active neurons. Any weight type works through ggml's CPU type traits (vec_dot
-// for up/gate rows, to_float for down rows). Work is split by active count; every
-// output element is written by exactly one thread, in a fixed order, so results do
-// not depend on scheduling.
+// for active neurons. The per-row arithmetic is sparse_kernels.c's (any weight type).
+// Work is split by active count; every output element is written by exactly one thread,
+// in a fixed order, so results depend neither on scheduling nor on the thread count.
 #include "sparse_ops.h"
+#include "sparse_kernels.h"
 
 #include "ggml-cpu.h"
 
 #include <math.h>
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -120,29 +117,45 @@ struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tens
     return ggml_custom_4d(ctx, type, x->ne[0], x->ne[1], 1, 1, args, 1, convert_rows_op, GGML_N_TASKS_MAX, NULL);
 }
 
-// Software prefetch of the next active row while the current one is computed: the rows
-// of a sparse op are scattered, so the hardware prefetchers, which follow streams inside
-// a page, restart cold at every row.
+// Active neurons whose rows are prefetched ahead of the one being computed (into L2; see
+// sparse_kernels.h). The rows of a sparse op are scattered, so the hardware prefetchers,
+// which follow streams inside a page, would restart cold at every row.
 #ifndef PI_PREFETCH_ROWS
-#define PI_PREFETCH_ROWS 1
+#define PI_PREFETCH_ROWS 4
 #endif
-#ifndef PI_PREFETCH_HINT
-#define PI_PREFETCH_HINT _MM_HINT_T0
-#endif
-static inline void prefetch_row(const char * p, size_t n) {
-#if defined(__SSE__) && PI_PREFETCH_ROWS > 0
-    for (size_t o = 0; o < n; o += 64) {
-        _mm_prefetch(p + o, PI_PREFETCH_HINT);
+
+// Prefetches bytes [off, off + len) of the row of active entry k + PI_PREFETCH_ROWS (len 0:
+// the whole row; rows may be strided views, so a row is its data, not nb[1]).
+static inline void prefetch_rows(const struct ggml_tensor * w, const int32_t * idx, int32_t k, int32_t k_end, size_t off,
+                                 size_t len) {
+    if (len == 0) {
+        len = ggml_row_size(w->type, w->ne[0]);
     }
-#else
-    (void) p; (void) n;
-#endif
+    if (PI_PREFETCH_ROWS > 0 && k + PI_PREFETCH_ROWS < k_end) {
+        pi_prefetch((const char *) w->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * w->nb[1] + off, len);
+    }
 }
 
 // Entries [k0, k1) of the active list (1-based positions in idx) handled by thread ith.
 static void split_active(int32_t n_active, int ith, int nth, int32_t * k0, int32_t * k1) {
     *k0 = (int32_t) ((int64_t) n_active * ith / nth);
     *k1 = (int32_t) ((int64_t) n_active * (ith + 1) / nth);
+}
+
+static _Thread_local float * g_row_buf;
+static _Thread_local size_t  g_row_cap;
+
+// Per-thread scratch of n floats (a dequantized row); NULL if out of memory.
+static float * row_buffer(size_t n) {
+    if (n > g_row_cap) {
+        float * p = realloc(g_row_buf, n * sizeof(float));
+        if (!p) {
+            return NULL;
+        }
+        g_row_buf = p;
+        g_row_cap = n;
+    }
+    return g_row_buf;
 }
 
 // ---- row-sparse matvec (up, gate) ------------------------------------------------------
@@ -154,7 +167,6 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
     const int32_t *            idx = (const int32_t *) dst->src[2]->data;
     const int64_t n_ff = dst->ne[0], n_tok = dst->ne[1];
     const int32_t n_active = idx[0];
-    ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
 
     int32_t k0, k1;
     split_active(n_active, ith, nth, &k0, &k1);
@@ -164,18 +176,25 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
     const int64_t r1 = ith == nth - 1 ? n_ff : (k1 < n_active ? idx[1 + k1] : n_ff);
     for (int64_t t = 0; t < n_tok; ++t) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
+        const void * y = (const char *) xq->data + t * xq->nb[1];
         int64_t r = r0;
-        for (int32_t k = k0; k < k1; ++k) {
-            const int64_t i = idx[1 + k];
-            if (k + PI_PREFETCH_ROWS < k1 && PI_PREFETCH_ROWS > 0) {
-                prefetch_row((const char *) w->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * w->nb[1], w->nb[1]);
+        for (int32_t k = k0; k < k1; k += PI_ROWS_MAX) {
+            const int kn = k1 - k < PI_ROWS_MAX ? k1 - k : PI_ROWS_MAX;
+            const void * rows[PI_ROWS_MAX];
+            float res[PI_ROWS_MAX];
+            for (int j = 0; j < kn; ++j) {
+                prefetch_rows(w, idx, k + j, k1, 0, 0);
+                rows[j] = (const char *) w->data + (size_t) idx[1 + k + j] * w->nb[1];
             }
-            if (i > r) {
-                memset(out + r, 0, (size_t) (i - r) * sizeof(float));
+            pi_rows_dot(w->type, w->ne[0], rows, kn, y, res);
+            for (int j = 0; j < kn; ++j) {
+                const int64_t i = idx[1 + k + j];
+                if (i > r) {
+                    memset(out + r, 0, (size_t) (i - r) * sizeof(float));
+                }
+                out[i] = res[j];
+                r = i + 1;
             }
-            vec_dot((int) w->ne[0], out + i, 0, (const char *) w->data + i * w->nb[1], 0,
-                    (const char *) xq->data + t * xq->nb[1], 0, 1);
-            r = i + 1;
         }
         if (r1 > r) {
             memset(out + r, 0, (size_t) (r1 - r) * sizeof(float));
@@ -193,111 +212,30 @@ struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_ten
 
 // ---- sparse AXPY (down, over the rows of ffn_down_t) ---------------------------------
 
-static _Thread_local float * g_row_buf;
-static _Thread_local size_t  g_row_cap;
+// Adds a[j] * row_j into out for the nonzero a[j] of up to PI_ROWS_MAX rows, in order.
+struct axpy_group {
+    const void * rows[PI_ROWS_MAX];
+    float        a[PI_ROWS_MAX];
+    int          n;
+};
 
-static float * row_buffer(size_t n) {
-    if (n > g_row_cap) {
-        float * p = realloc(g_row_buf, n * sizeof(float));
-        if (!p) {
-            return NULL;
-        }
-        g_row_buf = p;
-        g_row_cap = n;
+static inline void axpy_push(struct axpy_group * g, const void * row, float a, enum ggml_type type, int64_t n, float * out,
+                             float * row_f32) {
+    if (a == 0.0f) {
+        return;  // ReLU zeros and predicted-but-silent neurons cost nothing here
     }
-    return g_row_buf;
-}
-
-// Weight blocks as ggml stores them (the layouts are ggml's file format; sizes are
-// checked against ggml_type_size before use).
-#define PI_QK 32
-struct pi_block_q4_0 { ggml_fp16_t d; uint8_t qs[PI_QK / 2]; };
-struct pi_block_q8_0 { ggml_fp16_t d; int8_t  qs[PI_QK]; };
-
-static inline float fp16_to_fp32(ggml_fp16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return ggml_fp16_to_fp32(h);
-#endif
-}
-
-// out[0, 32*n_blocks) += a * dequantized blocks, fused (decode: one token per row).
-// The SIMD versions do per element exactly what the scalar loop does with FMA
-// contraction (out = fma(a*d, q, out)), row after row, so results do not depend on
-// which one runs or on how rows are paired.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define PI_AXPY_SIMD 1
-static inline __m512 q4_lo(__m128i q) {
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-}
-static inline __m512 q4_hi(__m128i q) {
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-}
-
-// Two rows at once: out += a0 * w0, then += a1 * w1, per element (one pass over out).
-static void axpy2_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict b0, float a0,
-                       const struct pi_block_q4_0 * restrict b1, float a1, int64_t n_blocks) {
-    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
-        const __m512 d0 = _mm512_set1_ps(a0 * fp16_to_fp32(b0[b].d));
-        const __m512 d1 = _mm512_set1_ps(a1 * fp16_to_fp32(b1[b].d));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *) b0[b].qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *) b1[b].qs);
-        __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
-        o0 = _mm512_fmadd_ps(d0, q4_lo(q0), o0);
-        o1 = _mm512_fmadd_ps(d0, q4_hi(q0), o1);
-        o0 = _mm512_fmadd_ps(d1, q4_lo(q1), o0);
-        o1 = _mm512_fmadd_ps(d1, q4_hi(q1), o1);
-        _mm512_storeu_ps(out, o0);
-        _mm512_storeu_ps(out + 16, o1);
+    g->rows[g->n] = row;
+    g->a[g->n++]  = a;
+    if (g->n == PI_ROWS_MAX) {
+        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32);
+        g->n = 0;
     }
 }
 
-static void axpy_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict blk, int64_t n_blocks, float a) {
-    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
-        const __m512 d = _mm512_set1_ps(a * fp16_to_fp32(blk[b].d));
-        const __m128i q = _mm_loadu_si128((const __m128i *) blk[b].qs);
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, q4_lo(q), _mm512_loadu_ps(out)));
-        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, q4_hi(q), _mm512_loadu_ps(out + 16)));
-    }
-}
-
-static void axpy_q8_0(float * restrict out, const struct pi_block_q8_0 * restrict blk, int64_t n_blocks, float a) {
-    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
-        const __m512 d = _mm512_set1_ps(a * fp16_to_fp32(blk[b].d));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *) blk[b].qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *) (blk[b].qs + 16));
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(out)));
-        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(out + 16)));
-    }
-}
-#else
-static void axpy_q4_0(float * restrict out, const struct pi_block_q4_0 * restrict blk, int64_t n_blocks, float a) {
-    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
-        const float d = a * fp16_to_fp32(blk[b].d);
-        const uint8_t * qs = blk[b].qs;
-        for (int j = 0; j < PI_QK / 2; ++j) {
-            out[j]              += d * (float) ((qs[j] & 0x0F) - 8);
-            out[j + PI_QK / 2]  += d * (float) ((qs[j] >> 4) - 8);
-        }
-    }
-}
-
-static void axpy_q8_0(float * restrict out, const struct pi_block_q8_0 * restrict blk, int64_t n_blocks, float a) {
-    for (int64_t b = 0; b < n_blocks; ++b, out += PI_QK) {
-        const float d = a * fp16_to_fp32(blk[b].d);
-        for (int j = 0; j < PI_QK; ++j) {
-            out[j] += d * (float) blk[b].qs[j];
-        }
-    }
-}
-#endif
-
-static void axpy_f32(float * restrict out, const float * restrict w, int64_t n, float a) {
-    for (int64_t c = 0; c < n; ++c) {
-        out[c] += a * w[c];
+static inline void axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32) {
+    if (g->n > 0) {
+        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32);
+        g->n = 0;
     }
 }
 
@@ -321,78 +259,19 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     if (len == 0) {
         return;
     }
-    // Fused dequantize-and-accumulate for the common types; any other type (or a
-    // weight row shared by several tokens) is dequantized once with ggml's to_float.
-    const bool fused_q4_0 = wt->type == GGML_TYPE_Q4_0 && ggml_type_size(wt->type) == sizeof(struct pi_block_q4_0);
-    const bool fused_q8_0 = wt->type == GGML_TYPE_Q8_0 && ggml_type_size(wt->type) == sizeof(struct pi_block_q8_0);
-    ggml_to_float_t to_float = wt->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(wt->type)->to_float;
-    float * row = to_float ? row_buffer((size_t) len) : NULL;
-    GGML_ASSERT(!to_float || row);
-    const size_t slice_off   = ggml_row_size(wt->type, c0);
-    const size_t slice_bytes = ggml_row_size(wt->type, len);
-    int32_t k = 0;
-#ifdef PI_AXPY_SIMD
-    if (n_tok == 1 && fused_q4_0) {
-        // Decode: pairs of rows with a nonzero activation share one pass over the slice.
-        float * out = (float *) dst->data + c0;
-        const struct pi_block_q4_0 * pend = NULL;
-        float apend = 0.0f;
-        for (; k < n_active; ++k) {
+    float * row = row_buffer((size_t) len);
+    GGML_ASSERT(row);
+    const size_t slice_off = ggml_row_size(wt->type, c0), slice_bytes = ggml_row_size(wt->type, len);
+    for (int64_t t = 0; t < n_tok; ++t) {
+        float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
+        struct axpy_group g = { .n = 0 };
+        for (int32_t k = 0; k < n_active; ++k) {
             const int64_t i = idx[1 + k];
-            if (k + 2 * PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {  // rows go in pairs
-                prefetch_row((const char *) wt->data + (size_t) idx[1 + k + 2 * PI_PREFETCH_ROWS] * wt->nb[1] + slice_off,
-                             slice_bytes);
-            }
-            const float a = *(const float *) ((const char *) h->data + i * h->nb[0]);
-            if (a == 0.0f) {
-                continue;
-            }
-            const struct pi_block_q4_0 * src = (const struct pi_block_q4_0 *) ((const char *) wt->data + i * wt->nb[1] + slice_off);
-            if (!pend) {
-                pend  = src;
-                apend = a;
-                continue;
-            }
-            axpy2_q4_0(out, pend, apend, src, a, len / PI_QK);
-            pend = NULL;
-        }
-        if (pend) {
-            axpy_q4_0(out, pend, len / PI_QK, apend);
-        }
-    }
-#endif
-    for (; k < n_active; ++k) {
-        const int64_t i = idx[1 + k];
-        if (k + PI_PREFETCH_ROWS < n_active && PI_PREFETCH_ROWS > 0) {
-            prefetch_row((const char *) wt->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * wt->nb[1] + slice_off,
-                         slice_bytes);
-        }
-        const char * src = (const char *) wt->data + i * wt->nb[1] + slice_off;
-        const float * w = NULL;
-        for (int64_t t = 0; t < n_tok; ++t) {
+            prefetch_rows(wt, idx, k, n_active, slice_off, slice_bytes);
             const float a = *(const float *) ((const char *) h->data + i * h->nb[0] + t * h->nb[1]);
-            if (a == 0.0f) {
-                continue;  // ReLU zeros and predicted-but-silent neurons cost nothing here
-            }
-            float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
-            if (n_tok == 1 && fused_q4_0) {
-                axpy_q4_0(out, (const struct pi_block_q4_0 *) src, len / PI_QK, a);
-                continue;
-            }
-            if (n_tok == 1 && fused_q8_0) {
-                axpy_q8_0(out, (const struct pi_block_q8_0 *) src, len / PI_QK, a);
-                continue;
-            }
-            if (!w) {
-                if (to_float) {
-                    to_float(src, row, len);
-                    w = row;
-                } else {
-                    w = (const float *) src;
-                }
-            }
-            axpy_f32(out, w, len, a);
+            axpy_push(&g, (const char *) wt->data + (size_t) i * wt->nb[1] + slice_off, a, wt->type, len, out, row);
         }
+        axpy_flush(&g, wt->type, len, out, row);
     }
 }
 
@@ -403,4 +282,172 @@ struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tenso
     GGML_ASSERT(wt->ne[0] % ggml_blck_size(wt->type) == 0);
     struct ggml_tensor * args[3] = { wt, h, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1], 1, 1, args, 3, sparse_axpy_op, GGML_N_TASKS_MAX, NULL);
+}
+
+// ---- fused sparse FFN (gate, up, activation and down of each active neuron) -------------
+//
+// Each active neuron is finished by one thread: its gate and up rows dotted with x, the
+// activation, and its ffn_down_t row added into a partial sum, so a neuron's three rows
+// are read together, once. The active list is cut into at most PI_FFN_MAX_CHUNKS chunks
+// of at least PI_FFN_MIN_CHUNK neurons (a function of the list's length alone, never of
+// the thread count); each chunk sums into its own partial in list order and a second op
+// adds the partials in chunk order, so results do not depend on the number of threads.
+
+#define PI_FFN_MIN_CHUNK  32
+#define PI_FFN_MAX_CHUNKS 64
+
+// Neurons per chunk for n_active active neurons (>= 1).
+static inline int32_t ffn_chunk_size(int32_t n_active) {
+    const int32_t k = (n_active + PI_FFN_MAX_CHUNKS - 1) / PI_FFN_MAX_CHUNKS;
+    return k > PI_FFN_MIN_CHUNK ? k : PI_FFN_MIN_CHUNK;
+}
+
+struct pi_ffn_cfg {
+    enum pi_ffn_act act;
+    bool            gate;   // src: gate rows to dot (else a given activation, or no gate)
+    bool            given;  // src: act(gate) computed elsewhere (gate mode)
+};
+
+// Every combination, so the op's userdata is static.
+static const struct pi_ffn_cfg g_ffn_cfgs[4][3] = {
+#define PI_CFG_ROW(a) { { a, false, false }, { a, true, false }, { a, false, true } }
+    PI_CFG_ROW(PI_ACT_SILU), PI_CFG_ROW(PI_ACT_RELU), PI_CFG_ROW(PI_ACT_GELU), PI_CFG_ROW(PI_ACT_DRELU),
+#undef PI_CFG_ROW
+};
+
+static inline float act_apply(enum pi_ffn_act act, float x) {
+    switch (act) {
+        case PI_ACT_RELU:
+        case PI_ACT_DRELU: return x > 0.0f ? x : 0.0f;
+        case PI_ACT_GELU: {
+            const float c = 0.7978845608028654f;  // sqrt(2 / pi), the tanh form ggml uses
+            return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+        }
+        default: return x / (1.0f + expf(-x));
+    }
+}
+
+// h of one neuron and token: act(g) * f(u) for gated FFNs (f = relu for dReLU), act(u) without a gate.
+static inline float ffn_h(const struct pi_ffn_cfg * cfg, float g, float u) {
+    if (!cfg->gate && !cfg->given) {
+        return act_apply(cfg->act, u);
+    }
+    const float a = cfg->given ? g : act_apply(cfg->act, g);
+    return a * (cfg->act == PI_ACT_DRELU ? (u > 0.0f ? u : 0.0f) : u);
+}
+
+// src: up, gate (cfg->gate) or a (cfg->given), down_t, xq, xg (cfg->gate), idx.
+// dst: F32 [n_embd, T, PI_FFN_MAX_CHUNKS] chunk partials.
+static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct pi_ffn_cfg * cfg = userdata;
+    int s = 0;
+    const struct ggml_tensor * up   = dst->src[s++];
+    const struct ggml_tensor * gate = cfg->gate ? dst->src[s++] : NULL;
+    const struct ggml_tensor * a    = cfg->given ? dst->src[s++] : NULL;
+    const struct ggml_tensor * wt   = dst->src[s++];
+    const struct ggml_tensor * xq   = dst->src[s++];
+    const struct ggml_tensor * xg   = cfg->gate ? dst->src[s++] : NULL;
+    const int32_t *            idx  = (const int32_t *) dst->src[s++]->data;
+    const int64_t n_embd = dst->ne[0], n_tok = dst->ne[1];
+    const int32_t n_active = idx[0];
+    const int32_t chunk = ffn_chunk_size(n_active);
+    const int32_t n_chunks = (n_active + chunk - 1) / chunk;
+    const int32_t c0 = (int32_t) ((int64_t) n_chunks * ith / nth), c1 = (int32_t) ((int64_t) n_chunks * (ith + 1) / nth);
+    if (c0 >= c1) {
+        return;
+    }
+    float * row = row_buffer((size_t) n_embd);
+    GGML_ASSERT(row);
+    const int32_t k_end = c1 * chunk < n_active ? c1 * chunk : n_active;
+    for (int32_t c = c0; c < c1; ++c) {
+        float * part = (float *) ((char *) dst->data + (size_t) c * dst->nb[2]);
+        memset(part, 0, (size_t) n_tok * dst->nb[1]);
+        const int32_t k_lo = c * chunk, k_hi = k_lo + chunk < n_active ? k_lo + chunk : n_active;
+        for (int32_t k = k_lo; k < k_hi; k += PI_ROWS_MAX) {
+            const int kn = k_hi - k < PI_ROWS_MAX ? k_hi - k : PI_ROWS_MAX;
+            const void * up_rows[PI_ROWS_MAX], * gate_rows[PI_ROWS_MAX], * down_rows[PI_ROWS_MAX];
+            for (int j = 0; j < kn; ++j) {
+                const size_t i = (size_t) idx[1 + k + j];
+                prefetch_rows(up, idx, k + j, k_end, 0, 0);
+                if (gate) prefetch_rows(gate, idx, k + j, k_end, 0, 0);
+                prefetch_rows(wt, idx, k + j, k_end, 0, 0);
+                up_rows[j]   = (const char *) up->data + i * up->nb[1];
+                gate_rows[j] = gate ? (const char *) gate->data + i * gate->nb[1] : NULL;
+                down_rows[j] = (const char *) wt->data + i * wt->nb[1];
+            }
+            for (int64_t t = 0; t < n_tok; ++t) {
+                float u[PI_ROWS_MAX], g[PI_ROWS_MAX] = { 0 };
+                pi_rows_dot(up->type, up->ne[0], up_rows, kn, (const char *) xq->data + t * xq->nb[1], u);
+                if (gate) {
+                    pi_rows_dot(gate->type, gate->ne[0], gate_rows, kn, (const char *) xg->data + t * xg->nb[1], g);
+                }
+                float * out = (float *) ((char *) part + t * dst->nb[1]);
+                struct axpy_group grp = { .n = 0 };
+                for (int j = 0; j < kn; ++j) {
+                    if (a) {
+                        g[j] = *(const float *) ((const char *) a->data + (size_t) idx[1 + k + j] * a->nb[0] + t * a->nb[1]);
+                    }
+                    axpy_push(&grp, down_rows[j], ffn_h(cfg, g[j], u[j]), wt->type, n_embd, out, row);
+                }
+                axpy_flush(&grp, wt->type, n_embd, out, row);
+            }
+        }
+    }
+}
+
+// src: partials, idx. dst: F32 [n_embd, T] = the partials of the chunks in use added in
+// chunk order; threads own slices of columns.
+static void sum_chunks_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * part = dst->src[0];
+    const int32_t n_active = ((const int32_t *) dst->src[1]->data)[0];
+    const int32_t chunk = ffn_chunk_size(n_active);
+    const int32_t n_chunks = (n_active + chunk - 1) / chunk;
+    const int64_t n_embd = dst->ne[0], n_tok = dst->ne[1];
+    const int64_t n_blk = (n_embd + 15) / 16;
+    const int64_t e0 = n_blk * ith / nth * 16, e1 = n_blk * (ith + 1) / nth * 16 < n_embd ? n_blk * (ith + 1) / nth * 16 : n_embd;
+    if (e1 <= e0) {
+        return;
+    }
+    for (int64_t t = 0; t < n_tok; ++t) {
+        float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
+        if (n_chunks == 0) {
+            memset(out + e0, 0, (size_t) (e1 - e0) * sizeof(float));
+            continue;
+        }
+        memcpy(out + e0, (const float *) ((const char *) part->data + t * part->nb[1]) + e0, (size_t) (e1 - e0) * sizeof(float));
+        for (int32_t c = 1; c < n_chunks; ++c) {
+            const float * p = (const float *) ((const char *) part->data + t * part->nb[1] + (size_t) c * part->nb[2]);
+            for (int64_t e = e0; e < e1; ++e) {
+                out[e] += p[e];
+            }
+        }
+    }
+}
+
+struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor * up, struct ggml_tensor * gate,
+                                   struct ggml_tensor * a, struct ggml_tensor * down_t, struct ggml_tensor * xq,
+                                   struct ggml_tensor * xg, struct ggml_tensor * idx, enum pi_ffn_act act) {
+    const int64_t n_embd = up->ne[0], n_ff = up->ne[1], n_tok = xq->ne[1];
+    GGML_ASSERT(!(gate && a) && (unsigned) act < 4);
+    GGML_ASSERT(xq->type == ggml_get_type_traits_cpu(up->type)->vec_dot_type && xq->ne[0] == n_embd);
+    GGML_ASSERT(!gate || (gate->ne[0] == n_embd && gate->ne[1] == n_ff && xg &&
+                          xg->type == ggml_get_type_traits_cpu(gate->type)->vec_dot_type && xg->ne[1] == n_tok));
+    GGML_ASSERT(!a || (a->type == GGML_TYPE_F32 && a->ne[0] == n_ff && a->ne[1] == n_tok));
+    GGML_ASSERT(down_t->ne[0] == n_embd && down_t->ne[1] == n_ff && n_embd % ggml_blck_size(down_t->type) == 0);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == n_ff + 1);
+    const struct pi_ffn_cfg * cfg = &g_ffn_cfgs[act][gate ? 1 : a ? 2 : 0];
+    struct ggml_tensor * args[7];
+    int n = 0;
+    args[n++] = up;
+    if (gate) args[n++] = gate;
+    if (a) args[n++] = a;
+    args[n++] = down_t;
+    args[n++] = xq;
+    if (gate) args[n++] = xg;
+    args[n++] = idx;
+    struct ggml_tensor * part = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, n_tok, PI_FFN_MAX_CHUNKS, 1, args, n, sparse_ffn_op,
+                                               GGML_N_TASKS_MAX, (void *) cfg);
+    struct ggml_tensor * sargs[2] = { part, idx };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, n_tok, 1, 1, sargs, 2, sum_chunks_op, GGML_N_TASKS_MAX, NULL);
 }

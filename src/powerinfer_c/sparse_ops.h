@@ -4,6 +4,19 @@
 
 #include "ggml.h"
 
+#include <stdbool.h>
+
+// The FFN activation: for gated FFNs it applies to the gate, h = act(gate) * up.
+enum pi_ffn_act {
+    PI_ACT_SILU,
+    PI_ACT_RELU,
+    PI_ACT_GELU,
+    PI_ACT_DRELU, // relu(gate) * relu(up) (Bamboo, TurboSparse)
+};
+
+// ReLU-family activations: a neuron whose activation is 0 contributes nothing.
+static inline bool pi_act_is_relu(enum pi_ffn_act act) { return act == PI_ACT_RELU || act == PI_ACT_DRELU; }
+
 // Histogram of activation magnitudes: PI_HIST_BINS log-spaced bins over
 // [10^PI_HIST_LOG10_MIN, 10^PI_HIST_LOG10_MAX); bin 0 also takes everything below.
 #define PI_HIST_BINS      480
@@ -47,3 +60,14 @@ struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_ten
 // h[i, t] * wt_i (rows with h[i, t] == 0 are skipped).
 struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
                                     struct ggml_tensor * idx);
+
+// The FFN of the active neurons, fused: for each active neuron i (idx as above) and
+// token t, h = act(gate_i . x_t) * f(up_i . x_t) (f = relu for dReLU, identity else),
+// or a[i, t] * f(up_i . x_t) when the activation a (F32 [n_ff, T], gate mode) is given,
+// or act(up_i . x_t) without a gate; the result F32 [n_embd, T] = sum over active i of
+// h[i, t] * down_t_i. up, gate: [n_embd, n_ff] (gate NULL when a is given or the FFN
+// has none), down_t: [n_embd, n_ff] (row i = neuron i's output weights), xq: [n_embd, T]
+// of up's vec_dot type, xg: of gate's (may be xq). Each neuron's rows are read once.
+struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor * up, struct ggml_tensor * gate,
+                                   struct ggml_tensor * a, struct ggml_tensor * down_t, struct ggml_tensor * xq,
+                                   struct ggml_tensor * xg, struct ggml_tensor * idx, enum pi_ffn_act act);
