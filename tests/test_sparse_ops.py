@@ -60,9 +60,12 @@ def _run(tmp_path, wtype, threads, w, x, h, active):
         f.write(np.asarray(active, dtype="<i4").tobytes())
     subprocess.run([str(DRIVER), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
     out = np.fromfile(dst, dtype="<f4")
-    wd = out[: n_ff * n_embd].reshape(n_ff, n_embd)
-    up = out[n_ff * n_embd : n_ff * n_embd + n_tok * n_ff].reshape(n_tok, n_ff)
-    down = out[n_ff * n_embd + n_tok * n_ff :].reshape(n_tok, n_embd)
+    sizes = [n_ff * n_embd, n_tok * n_ff, n_tok * n_embd, n_tok * n_embd if n_tok <= 8 else 0, n_tok * n_ff]
+    parts = np.split(out, np.cumsum(sizes)[:-1])
+    assert sum(sizes) == out.size
+    wd, up, down = parts[0].reshape(n_ff, n_embd), parts[1].reshape(n_tok, n_ff), parts[2].reshape(n_tok, n_embd)
+    _run.fused = parts[3].reshape(n_tok, n_embd) if sizes[3] else None
+    _run.packed = parts[4].reshape(n_tok, n_ff)
     return wd, up, down
 
 
@@ -101,13 +104,55 @@ def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok):
     assert np.all(np.abs(down - ref_down) <= bound_down)
 
 
+@pytest.mark.parametrize("n_tok", [1, 3])
+@pytest.mark.parametrize("wtype", ["f32", "q8_0", "q4_0", "q4_K"])
+def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok):
+    """pi_sparse_ffn with W as gate, up and ffn_down_t and ReLU: h_i = relu(g_i) * g_i with
+    g_i = W_i . x for the active i, then sum_i h_i W_i. Bound: the matvec's bound on g (as
+    above) carried through h (|dh| <= |dg| (2|g| + |dg|)), then the AXPY's accumulation."""
+    w, x, h, active = _problem(seed=11 + TYPES.index(wtype), n_tok=n_tok)
+    wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active)
+    fused = _run.fused
+    wd64, x64 = wd.astype(np.float64), x.astype(np.float64)
+    g = x64 @ wd64[active].T
+    err_g = _input_error_bound(x64, wtype) @ np.abs(wd64[active]).T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(wd64[active]).T)
+    hh = np.maximum(g, 0) * g
+    err_h = err_g * (2 * np.abs(g) + err_g)
+    ref = hh @ wd64[active]
+    bound = err_h @ np.abs(wd64[active]) + len(active) * EPS32 * ((np.abs(hh) + err_h) @ np.abs(wd64[active])) + 1e-6
+    assert np.all(np.abs(fused - ref) <= bound), f"{wtype}: max excess {np.max(np.abs(fused - ref) - bound):.3g}"
+
+
+def _q8_0_error_bound(a: np.ndarray) -> np.ndarray:
+    """Per-element bound on |Q8_0(a) - a| along the last axis (the input-conversion formula)."""
+    return _input_error_bound(a.reshape(-1, a.shape[-1]), "q8_0").reshape(a.shape)
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 9])
+def test_packed_matmul_matches_numpy(tmp_path, n_tok):
+    """The Q8_0x16 matmul (packed_matmul.c): float W packed (quantized to Q8_0 per 32
+    elements of a row) times x (quantized the same way). Bound: both roundings,
+    |dW| |x| + |W| |dx| + |dW| |dx| summed over the row, plus float32 accumulation."""
+    w, x, h, active = _problem(seed=21, n_tok=n_tok)
+    _run(tmp_path, "f32", 2, w, x, h, active)
+    w64, x64 = w.astype(np.float64), x.astype(np.float64)
+    ref = x64 @ w64.T
+    ew, ex = _q8_0_error_bound(w64), _q8_0_error_bound(x64)
+    bound = ex @ np.abs(w64).T + np.abs(x64) @ ew.T + ex @ ew.T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    diff = np.abs(_run.packed - ref)
+    assert np.all(diff <= bound), f"max excess {np.max(diff - bound):.3g}"
+    assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
+
+
 @pytest.mark.parametrize("wtype", ["q4_0", "f16"])
 def test_thread_counts_agree_bitwise(tmp_path, wtype):
     w, x, h, active = _problem(seed=7)
-    results = [_run(tmp_path, wtype, t, w, x, h, active) for t in (1, 2, 3)]
-    for _, up, down in results[1:]:
-        assert np.array_equal(up, results[0][1])
-        assert np.array_equal(down, results[0][2])
+    results = []
+    for t in (1, 2, 3):
+        results.append(_run(tmp_path, wtype, t, w, x, h, active) + (_run.fused, _run.packed))
+    for r in results[1:]:
+        for a, b in zip(r[1:], results[0][1:]):
+            assert np.array_equal(a, b)
 
 
 def test_empty_and_full_active_sets(tmp_path):

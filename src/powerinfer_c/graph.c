@@ -4,6 +4,7 @@
 // of sparse_ops.c) and, with hybrid placement, split between the device and the CPU.
 // The dense path keeps llama.cpp's op order so results agree with it.
 #include "powerinfer-impl.h"
+#include "packed_matmul.h"
 #include "sparse_ops.h"
 
 #include "ggml-cpu.h"
@@ -56,12 +57,17 @@ static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act a
     return act == PI_ACT_DRELU ? ggml_relu(ctx, up) : up;
 }
 
-// Down projection of h [n_ff, n_tokens]: through ffn_down when the file has it, else
-// as an AXPY over the rows of ffn_down_t with a nonzero activation.
-static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct pi_layer * l, struct ggml_tensor * h,
-                                       struct pi_active_stat * stat) {
+// Down projection of h [n_ff, n_tokens]: a matmul through ffn_down, or through its batch
+// copy (repack.c) for files that store only ffn_down_t; else, and for single tokens of
+// ReLU-family models (most of h is zero), an AXPY over the rows of ffn_down_t with a
+// nonzero activation.
+static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct pi_layer * l, enum pi_ffn_act act,
+                                       struct ggml_tensor * h, struct pi_active_stat * stat) {
     if (l->ffn_down) {
         return ggml_mul_mat(ctx, l->ffn_down, h);
+    }
+    if (l->ffn_down_b && (h->ne[1] > 1 || !pi_act_is_relu(act))) {
+        return l->ffn_down_b_packed ? pi_q8p_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
     }
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }
@@ -75,24 +81,27 @@ static struct ggml_tensor * gate_score(struct ggml_context * ctx, enum pi_ffn_ac
     return pi_act_is_relu(act) ? a : ggml_abs(ctx, a);
 }
 
+// Batches up to this size take the fused sparse operator (its partial sums grow with the
+// batch); larger ones (hybrid placement's CPU side during prompts) the separate operators.
+#define PI_FUSED_MAX_TOKENS 8
+
 // The FFN over the neurons in idx, through down: with the gate's activation `a` already
 // computed densely (gate mode), h = a * f(up rows); else act over the gate and up rows.
 static struct ggml_tensor * build_sparse_rows(struct ggml_context * ctx, const struct pi_layer * l, enum pi_ffn_act act,
                                               struct ggml_tensor * x, struct ggml_tensor * a, struct ggml_tensor * idx) {
     struct ggml_tensor * xq = pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_up->type)->vec_dot_type);
-    struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
-    struct ggml_tensor * h;
-    if (a) {
-        h = ggml_mul(ctx, a, up_term(ctx, act, up));
-    } else {
-        struct ggml_tensor * gate = NULL;
-        if (l->ffn_gate) {
-            struct ggml_tensor * xg = l->ffn_gate->type == l->ffn_up->type ? xq
-                : pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(l->ffn_gate->type)->vec_dot_type);
-            gate = pi_sparse_matvec(ctx, l->ffn_gate, xg, idx);
-        }
-        h = build_glu(ctx, act, gate, up);
+    struct ggml_tensor * gate = a ? NULL : l->ffn_gate;
+    struct ggml_tensor * xg = NULL;
+    if (gate) {
+        const enum ggml_type t = ggml_get_type_traits_cpu(gate->type)->vec_dot_type;
+        xg = t == xq->type ? xq : pi_convert_rows(ctx, x, t);
     }
+    if (x->ne[1] <= PI_FUSED_MAX_TOKENS) {
+        return pi_sparse_ffn(ctx, l->ffn_up, gate, a, l->ffn_down_t, xq, xg, idx, act);
+    }
+    struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
+    struct ggml_tensor * h = a ? ggml_mul(ctx, a, up_term(ctx, act, up))
+                               : build_glu(ctx, act, gate ? pi_sparse_matvec(ctx, gate, xg, idx) : NULL, up);
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, idx);
 }
 
@@ -120,8 +129,9 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         struct ggml_tensor * logit = ggml_mul_mat(ctx, l->fc2, ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)));
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, stat));
     }
-    struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up, x);
-    struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate, x) : NULL;
+    // Every neuron: through the batch copies where the sparse path keeps the file's rows.
+    struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up_b ? l->ffn_up_b : l->ffn_up, x);
+    struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate_b ? l->ffn_gate_b : l->ffn_gate, x) : NULL;
     if (gp->capture) {
         // Profiling: keep x_res and act(gate) (act(up) without a gate) for the host.
         struct ggml_tensor * a = build_act(ctx, act, gate ? gate : up);
@@ -129,15 +139,15 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         ggml_set_output(a);
         in->cap_x[il]   = x_res;
         in->cap_act[il] = a;
-        return build_down(ctx, l, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
+        return build_down(ctx, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
     }
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
         ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
-        return build_down(ctx, l, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
+        return build_down(ctx, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
     }
-    return build_down(ctx, l, build_glu(ctx, act, gate, up), stat);
+    return build_down(ctx, l, act, build_glu(ctx, act, gate, up), stat);
 }
 
 // Hybrid FFN (placement.c, offload.c): the device computes its compact hot rows densely through down,

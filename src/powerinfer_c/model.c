@@ -503,6 +503,7 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .emulate_device  = false,
         .reset_gpu_index = false,
         .vram_budget_bytes = 0,
+        .batch_weights   = true,
     };
     return p;
 }
@@ -530,6 +531,7 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK &&
              resolve_sparse_mode(model) == POWERINFER_OK;
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
+        ok = ok && (!params.batch_weights || pi_make_batch_weights(model, params.use_repack) == POWERINFER_OK);
     }
     ok = ok && pi_vocab_load(model) == POWERINFER_OK;
     if (!ok) {

@@ -1,14 +1,19 @@
-// repack.c - moves dense matmul weights into the CPU backend's "extra" buffer types
-// (interleaved/repacked layouts with faster matmul kernels), as llama.cpp does, and
-// releases the mapped pages they came from. Tensors read row by row by the sparse
-// operators must stay in the plain mapping, so callers choose which tensors to offer;
-// each tensor may be offered once (a tied output is not offered: get_rows reads it).
+// repack.c - weights in the CPU backend's fastest matmul layouts. Dense matmul weights
+// move into the "extra" buffer types (interleaved/repacked layouts with faster kernels),
+// as llama.cpp does, and the mapped pages they came from are released. Tensors read row
+// by row by the sparse operators must stay in the plain mapping, so callers choose which
+// tensors to offer (each at most once; a tied output is not offered: get_rows reads it);
+// for batches those rows get copies of their own (pi_make_batch_weights).
 #include "powerinfer-impl.h"
 
 #include "ggml-cpu.h"
 
+#include "packed_matmul.h"
+
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 // The CPU device's extra buffer types, NULL-terminated (NULL if there are none).
 static ggml_backend_buffer_type_t * cpu_extra_bufts(ggml_backend_dev_t * dev_out) {
@@ -117,4 +122,219 @@ void pi_repack_free(struct powerinfer_model * model) {
         ggml_free(model->repack_ctx[i]);
     }
     model->n_repack_bufs = 0;
+}
+
+// ---- copies for batches ---------------------------------------------------------------------
+//
+// A batch (prompt processing) computes every neuron, which is fastest as a matmul on a
+// layout made for it, while the sparse decode path reads the file's rows of ffn_up (and
+// of ffn_gate in predictor mode) one neuron at a time: those get a second, repacked copy
+// used by batches only. A file that stores the down projection only as ffn_down_t
+// (PowerInfer's layout: row i = neuron i's output weights) gets it transposed back into
+// ffn_down's layout, for a matmul instead of an AXPY per token:
+//   - float types as they are (exact);
+//   - quantized ones re-quantized to 8 bits along the other axis: Q8_0's step is 1/127 of
+//     a block's range, so the copy stays within about 0.5% (RMS) of the file's values
+//     (4 bits would add about 80% to the file's own rounding error). With AVX-512 VNNI it
+//     is packed for packed_matmul.c's kernel (ggml does not repack Q8_0 on x86), else
+//     plain Q8_0 for ggml's matmul; F16 when n_ff is not in whole 32-element blocks.
+
+static enum ggml_type batch_down_type(enum ggml_type t, int64_t n_ff) {
+    if (t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16) {
+        return t;
+    }
+    return n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+}
+
+static bool down_packed(enum ggml_type t, int64_t n_embd, int64_t n_ff) {
+    return pi_q8p_available() && batch_down_type(t, n_ff) == GGML_TYPE_Q8_0 && n_embd % PI_Q8P_ROWS == 0;
+}
+
+// The first extra buffer type whose matmul takes a tensor like t, else NULL.
+static ggml_backend_buffer_type_t repack_buft_for(const struct ggml_tensor * t) {
+    ggml_backend_dev_t dev = NULL;
+    ggml_backend_buffer_type_t * bufts = cpu_extra_bufts(&dev);
+    for (ggml_backend_buffer_type_t * bt = bufts; bt && *bt; ++bt) {
+        if (buft_supports_matmul(dev, *bt, t)) {
+            return *bt;
+        }
+    }
+    return NULL;
+}
+
+// Writes down_t [n_embd, n_ff] transposed into dst: [n_ff, n_embd] of dst->type, or
+// packed (packed_matmul.h), a strip of output rows at a time. Host memory only.
+static int32_t transpose_down(const struct ggml_tensor * down_t, struct ggml_tensor * dst, bool packed) {
+    const int64_t n_embd = down_t->ne[0], n_ff = down_t->ne[1];
+    const int64_t blck  = ggml_blck_size(down_t->type);
+    const int64_t strip = blck > 32 ? blck : 32;  // whole blocks of down_t's rows, whole groups of packed rows
+    const struct ggml_type_traits * tt = ggml_get_type_traits(down_t->type);
+    float * blk  = malloc(sizeof(float) * (size_t) n_ff * strip);  // [n_ff][strip]: the strip of every neuron's row
+    float * cols = malloc(sizeof(float) * (size_t) n_ff * strip);  // [strip][n_ff]: the copy's rows
+    if (!blk || !cols) {
+        free(blk); free(cols);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory transposing %s", ggml_get_name(down_t));
+    }
+    ggml_from_float_t from_float = dst->type == GGML_TYPE_F32 || packed ? NULL : ggml_get_type_traits_cpu(dst->type)->from_float;
+    const size_t dst_rs = packed ? 0 : ggml_row_size(dst->type, n_ff);
+    for (int64_t c0 = 0; c0 < n_embd; c0 += strip) {
+        const int64_t w = n_embd - c0 < strip ? n_embd - c0 : strip;
+        for (int64_t i = 0; i < n_ff; ++i) {
+            const char * src = (const char *) down_t->data + (size_t) i * down_t->nb[1] + ggml_row_size(down_t->type, c0);
+            if (down_t->type == GGML_TYPE_F32) {
+                memcpy(blk + i * strip, src, sizeof(float) * (size_t) w);
+            } else {
+                tt->to_float(src, blk + i * strip, w);
+            }
+        }
+        for (int64_t c = 0; c < w; ++c) {
+            for (int64_t i = 0; i < n_ff; ++i) cols[c * n_ff + i] = blk[i * strip + c];
+        }
+        for (int64_t c = 0; c < w; c += packed ? PI_Q8P_ROWS : w) {
+            char * out = (char *) dst->data;
+            if (packed) {
+                pi_q8p_pack_group(cols + c * n_ff, n_ff, c0 + c, out);
+            } else if (from_float) {
+                for (int64_t r = 0; r < w; ++r) from_float(cols + r * n_ff, out + (size_t) (c0 + r) * dst_rs, n_ff);
+            } else {
+                memcpy(out + (size_t) c0 * dst_rs, cols, sizeof(float) * (size_t) w * n_ff);
+            }
+        }
+    }
+    free(blk);
+    free(cols);
+    return POWERINFER_OK;
+}
+
+struct transpose_job {
+    struct powerinfer_model * model;
+    int32_t                   ith, nth;
+    int32_t                   rc;
+};
+
+// Thread ith transposes the down projection of layers ith, ith + nth, ...
+static void * transpose_worker(void * arg) {
+    struct transpose_job * job = arg;
+    const struct powerinfer_model * model = job->model;
+    for (int32_t il = job->ith; il < model->hp.n_layer && job->rc == POWERINFER_OK; il += job->nth) {
+        const struct pi_layer * l = &model->layers[il];
+        if (l->ffn_down_b) {
+            job->rc = transpose_down(l->ffn_down_t, l->ffn_down_b, l->ffn_down_b_packed);
+        }
+    }
+    return NULL;
+}
+
+// One buffer of buffer type bt holding a copy of each of n tensors: like[i]'s shape and
+// type, or (transposed[i]) the down copy's. The copies go to slots[i]; returns the buffer.
+static int32_t alloc_copies(struct powerinfer_model * model, ggml_backend_buffer_type_t bt, const struct ggml_tensor ** like,
+                            const bool * transposed, struct ggml_tensor *** slots, int32_t n) {
+    if (n == 0) {
+        return POWERINFER_OK;
+    }
+    struct ggml_init_params ip = { .mem_size = (size_t) (n + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true };
+    struct ggml_context * ctx = model->n_repack_bufs < PI_MAX_REPACK_BUFS ? ggml_init(ip) : NULL;
+    if (!ctx) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot make the batch copies");
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        const struct ggml_tensor * s = like[i];
+        struct ggml_tensor * t;
+        if (!transposed[i]) {
+            t = ggml_dup_tensor(ctx, s);
+        } else if (down_packed(s->type, s->ne[0], s->ne[1])) {
+            t = pi_q8p_tensor(ctx, s->ne[0], s->ne[1]);
+        } else {
+            t = ggml_new_tensor_2d(ctx, batch_down_type(s->type, s->ne[1]), s->ne[1], s->ne[0]);
+        }
+        ggml_format_name(t, "%s_b", ggml_get_name(s));
+        *slots[i] = t;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, bt);
+    if (!buf) {
+        for (int32_t i = 0; i < n; ++i) *slots[i] = NULL;
+        ggml_free(ctx);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the batch copies",
+                       ggml_backend_buft_name(bt));
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    model->repack_ctx[model->n_repack_bufs] = ctx;
+    model->repack_buf[model->n_repack_bufs] = buf;
+    model->n_repack_bufs++;
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: batch copies: %d tensors, %.1f MiB in %s\n", n,
+           ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(bt));
+    return POWERINFER_OK;
+}
+
+int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked) {
+    const int32_t n_layer = model->hp.n_layer, mode = model->hp.sparse_mode;
+    const bool sparse = mode == POWERINFER_SPARSE_GATE || mode == POWERINFER_SPARSE_PREDICTOR;
+    const double t0 = pi_time_ms();
+    // Up to 2 row copies per layer (ffn_up, ffn_gate) per repack buffer type, and the down copies.
+    const int32_t cap = 2 * n_layer;
+    const struct ggml_tensor ** like = malloc(sizeof(*like) * (size_t) cap * 2);
+    struct ggml_tensor *** slots = malloc(sizeof(*slots) * (size_t) cap * 2);
+    bool * transposed = calloc((size_t) cap * 2, sizeof(bool));
+    if (!like || !slots || !transposed) {
+        free(like); free(slots); free(transposed);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    int32_t rc = POWERINFER_OK;
+    // 1. Repacked copies of the rows the sparse path reads, grouped by buffer type.
+    for (int32_t pass = 0; sparse && repacked && rc == POWERINFER_OK; ++pass) {
+        ggml_backend_buffer_type_t bt = NULL;
+        int32_t n = 0;
+        for (int32_t il = 0; il < n_layer; ++il) {
+            struct pi_layer * l = &model->layers[il];
+            struct ggml_tensor * rows[2] = { l->ffn_up, mode == POWERINFER_SPARSE_PREDICTOR ? l->ffn_gate : NULL };
+            struct ggml_tensor ** dst[2] = { &l->ffn_up_b, &l->ffn_gate_b };
+            for (int k = 0; k < 2; ++k) {
+                ggml_backend_buffer_type_t b = rows[k] && !*dst[k] ? repack_buft_for(rows[k]) : NULL;
+                if (!b || (bt && b != bt)) continue;
+                bt = b;
+                like[n] = rows[k];
+                slots[n] = dst[k];
+                transposed[n++] = false;
+            }
+        }
+        if (n == 0) break;
+        rc = alloc_copies(model, bt, like, transposed, slots, n);
+        for (int32_t i = 0; i < n && rc == POWERINFER_OK; ++i) {
+            ggml_backend_tensor_set(*slots[i], like[i]->data, 0, ggml_nbytes(like[i]));  // repacks
+        }
+    }
+    // 2. The down projection transposed back, for files without ffn_down.
+    int32_t n = 0;
+    for (int32_t il = 0; il < n_layer && rc == POWERINFER_OK; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        if (!l->ffn_down && l->ffn_down_t) {
+            like[n] = l->ffn_down_t;
+            slots[n] = &l->ffn_down_b;
+            transposed[n++] = true;
+            l->ffn_down_b_packed = down_packed(l->ffn_down_t->type, l->ffn_down_t->ne[0], l->ffn_down_t->ne[1]);
+        }
+    }
+    if (rc == POWERINFER_OK && n > 0 && (rc = alloc_copies(model, ggml_backend_cpu_buffer_type(), like, transposed, slots, n)) == POWERINFER_OK) {
+        // Layers spread over the model's threads, each with its own staging; a thread that
+        // cannot be started leaves its layers to the calling thread.
+        int32_t nth = model->params.n_threads > 0 ? model->params.n_threads : (int32_t) sysconf(_SC_NPROCESSORS_ONLN);
+        nth = nth < 1 ? 1 : nth > 64 ? 64 : nth > n ? n : nth;
+        struct transpose_job jobs[64];
+        pthread_t threads[64];
+        bool running[64] = { false };
+        for (int32_t i = 0; i < nth; ++i) {
+            jobs[i] = (struct transpose_job) { model, i, nth, POWERINFER_OK };
+            running[i] = i > 0 && pthread_create(&threads[i], NULL, transpose_worker, &jobs[i]) == 0;
+        }
+        for (int32_t i = 0; i < nth; ++i) {
+            if (running[i]) pthread_join(threads[i], NULL);
+            else transpose_worker(&jobs[i]);
+            rc = rc != POWERINFER_OK ? rc : jobs[i].rc;
+        }
+    }
+    free(like); free(slots); free(transposed);
+    if (rc == POWERINFER_OK) {
+        pi_log(POWERINFER_LOG_INFO, "powerinfer: batch copies made in %.0f ms\n", pi_time_ms() - t0);
+    }
+    return rc;
 }

@@ -5,7 +5,11 @@
 //   IN:  int64 n_embd, n_ff, n_tok; f32 W[n_ff][n_embd]; f32 x[n_tok][n_embd];
 //        f32 h[n_tok][n_ff]; int32 n_active; int32 idx[n_active] (ascending)
 //   OUT: f32 W as quantized then dequantized [n_ff][n_embd]; f32 up[n_tok][n_ff];
-//        f32 down[n_tok][n_embd] (W used as ffn_down_t)
+//        f32 down[n_tok][n_embd] (W used as ffn_down_t);
+//        f32 ffn[n_tok][n_embd]: the fused FFN with W as gate, up and ffn_down_t and ReLU
+//        (h_i = relu(W_i . x) * (W_i . x) for the active i);
+//        f32 packed[n_tok][n_ff]: the float W packed as Q8_0x16 (packed_matmul.h) times x
+#include "packed_matmul.h"
 #include "sparse_ops.h"
 
 #include "ggml-cpu.h"
@@ -80,9 +84,17 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * xq   = pi_convert_rows(ctx, tx, ggml_get_type_traits_cpu(type)->vec_dot_type);
     struct ggml_tensor * up   = pi_sparse_matvec(ctx, tw, xq, idx);
     struct ggml_tensor * down = pi_sparse_axpy(ctx, tw, th, idx);
+    struct ggml_tensor * ffn  = n_tok <= 8 ? pi_sparse_ffn(ctx, tw, tw, NULL, tw, xq, xq, idx, PI_ACT_RELU) : NULL;
+    struct ggml_tensor * tp   = pi_q8p_tensor(ctx, n_ff, n_embd);
+    for (int64_t r0 = 0; r0 < n_ff; r0 += PI_Q8P_ROWS) {
+        pi_q8p_pack_group(w + r0 * n_embd, n_embd, r0, tp->data);
+    }
+    struct ggml_tensor * packed = pi_q8p_matmul(ctx, tp, tx);
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, up);
     ggml_build_forward_expand(gf, down);
+    if (ffn) ggml_build_forward_expand(gf, ffn);
+    ggml_build_forward_expand(gf, packed);
     if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) != GGML_STATUS_SUCCESS) {
         return die("graph compute failed");
     }
@@ -100,6 +112,8 @@ int main(int argc, char ** argv) {
     }
     fwrite(up->data, 1, ggml_nbytes(up), out);
     fwrite(down->data, 1, ggml_nbytes(down), out);
+    if (ffn) fwrite(ffn->data, 1, ggml_nbytes(ffn), out);
+    fwrite(packed->data, 1, ggml_nbytes(packed), out);
     fclose(out);
     free(wd); free(w); free(x); free(h);
     ggml_free(ctx);

@@ -71,6 +71,8 @@ struct powerinfer_model_params {
     bool    emulate_device; // hybrid placement with the "device" emulated by a CPU buffer (tests; also env POWERINFER_EMULATE_DEVICE=1)
     bool    reset_gpu_index;// ignore <model>.generated.gpuidx and solve the placement again
     int64_t vram_budget_bytes; // > 0: the budget in bytes, exactly (overrides vram_budget_gib)
+    bool    batch_weights;  // sparse modes: copies of the FFN rows the sparse path reads, in the CPU's fastest matmul
+                            // layout, and ffn_down_t transposed back, for batches (prompt processing); default true
 };
 // What the hybrid placement put on the device (docs/hybrid.md). Sizes in bytes.
 struct powerinfer_placement {
