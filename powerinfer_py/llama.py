@@ -284,6 +284,22 @@ class Llama:
         """Ids of the FFN neurons of `layer` placed on the device (ascending)."""
         return self._require_ctx().hot_neurons(layer)
 
+    def sparse_stats(self) -> Dict[str, Any]:
+        """How sparse the FFN has been since the last reset_timings() (or load): the sparse
+        mode in use, per layer the share of neurons the sparse steps computed (None for a
+        layer no sparse step ran through: dense mode, or only batches larger than the
+        sparse path takes), and that share over all layers ("active")."""
+        if self._fallback is not None:
+            return {"mode": "dense", "layers": [], "active": None}
+        ctx = self._require_ctx()
+        counts = [ctx.sparse_stats(il) for il in range(self._model.n_layer())]
+        total = sum(n for _, n in counts)
+        return {
+            "mode": self.sparse_mode_in_use(),
+            "layers": [a / n if n else None for a, n in counts],
+            "active": sum(a for a, _ in counts) / total if total else None,
+        }
+
     def _new_context(self, n_ctx: int, seed: int, flash_attn: bool, embedding: bool) -> None:
         try:
             ctx = Context(

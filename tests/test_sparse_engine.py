@@ -15,6 +15,7 @@ import pytest
 
 from powerinfer_py._core.bindings import ffi, lib
 from powerinfer_py.assets.synthetic import PRESETS, generate
+from powerinfer_py import Llama
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = ROOT / "build" / "bin" / "main"
@@ -293,7 +294,7 @@ def test_malformed_sparse_tensors(tiny, tmp_path):
 
 
 def test_python_llama_runs_sparse_modes(tiny):
-    from powerinfer_py import Llama
+
 
     path = tiny["tiny"]["powerinfer"]
     texts = {}
@@ -308,10 +309,58 @@ def test_python_llama_runs_sparse_modes(tiny):
         Llama(path, verbose=False, sparse_mode="fast")
 
 
-def test_bench_interleaved_pair_runs(tiny):
-    """bench_sparse's interleaved measurement (both engines in one process) on a tiny pair."""
+def test_sparse_stats_reports_the_active_share(tiny):
+    """Llama.sparse_stats(): per-layer active share of the sparse steps since the last reset,
+    the same figure as the C counters; None before any sparse step and in dense mode."""
+    path = tiny["tiny-q8"]["powerinfer"]
+    with Llama(path, n_ctx=256, n_threads=2, verbose=False, sparse_mode="predictor") as llm:
+        assert llm.sparse_stats()["active"] is None
+        llm.create_completion("the cat sat", max_tokens=8, temperature=0)
+        stats = llm.sparse_stats()
+        assert stats["mode"] == "predictor" and len(stats["layers"]) == 3
+        assert all(0.0 < a < 1.0 for a in stats["layers"])
+        counts = [llm._ctx.sparse_stats(il) for il in range(3)]
+        assert stats["active"] == pytest.approx(sum(a for a, _ in counts) / sum(n for _, n in counts))
+        llm.reset_timings()
+        assert llm.sparse_stats()["active"] is None
+    with Llama(tiny["tiny-q8"]["dense"], n_ctx=256, n_threads=2, verbose=False, sparse_mode="dense") as llm:
+        llm.create_completion("the cat sat", max_tokens=4, temperature=0)
+        assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None}
+
+
+def test_bench_bytes_per_token(tiny):
+    """The benchmark's ideal: the dense read counts every weight but the embeddings; a
+    sparse mode counts only the active share of the rows it skips."""
+    import gguf
+
     from powerinfer_py.bench import sparse as bench_sparse
 
     paths = tiny["tiny-q8"]
-    r = bench_sparse.run_pair(paths["dense"], paths["powerinfer"], "predictor", 2, 4)
-    assert r["ref_tok_s"] > 0 and r["ours_tok_s"] > 0
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(paths["dense"]).tensors}
+    dense = bench_sparse.weights_read_per_token(lambda n: sizes.get(n, -1), 3, None, [1.0] * 3)
+    assert dense == sum(v for k, v in sizes.items() if k != "token_embd.weight")
+    with Llama(paths["powerinfer"], verbose=False, sparse_mode="predictor") as llm:
+        nb = llm._model.tensor_nbytes
+        full = bench_sparse.weights_read_per_token(nb, 3, "predictor", [1.0] * 3)
+        none = bench_sparse.weights_read_per_token(nb, 3, "predictor", [0.0] * 3)
+        ffn = sum(nb(f"blk.{il}.{k}.weight") for il in range(3) for k in ("ffn_gate", "ffn_up", "ffn_down_t"))
+        assert full - none == ffn
+        half = bench_sparse.weights_read_per_token(nb, 3, "predictor", [0.5] * 3)
+        assert half == pytest.approx(none + ffn / 2)
+
+
+def test_bench_sparse_runs_interleaved(tiny, capsys):
+    """`python -m powerinfer_py.bench sparse` end to end on a tiny pair: every mode's decode
+    row with its ideal and fraction of it, prompt rows, peak RSS rows."""
+    from powerinfer_py.bench import sparse as bench_sparse
+
+    paths = tiny["tiny-q8"]
+    rc = bench_sparse.main(["--dense", paths["dense"], "--powerinfer", paths["powerinfer"], "--n-gen", "4",
+                            "--prompts", "8,32", "--prompt-reps", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "CPU: " in out and "measured read bandwidth" in out
+    for mode in ("dense", "gate", "predictor"):
+        assert f"| {mode} |" in out
+    assert len(re.findall(r"\d+\.\d\dx \|", out)) == 3 * 2 + 2 * 2  # decode ideal and achieved, prompt ratios
+    assert "| llama-cpp-python |" in out and "| powerinfer predictor |" in out

@@ -1,16 +1,21 @@
-"""Decode speed of the sparse modes against llama-cpp-python's dense engine, same
-machine, same run, same threads:
+"""Sparse inference against llama-cpp-python's dense engine, same machine, same run,
+same threads: decode in each sparse mode, prompt processing, and peak memory.
 
-    python -m powerinfer_py.bench sparse [--dense PATH --powerinfer PATH] [--threads 2] [--n-gen 128]
+    python -m powerinfer_py.bench sparse [--dense PATH --powerinfer PATH] [--threads 2]
+                                         [--n-gen 64] [--prompts 64,512] [--modes dense,gate,predictor]
 
 Defaults to the 7B-shaped synthetic pair (python -m powerinfer_py.assets.synthetic --preset 7b
 --out ~/.cache/powerinfer-py/synthetic). llama-cpp-python runs the standard GGUF; our
-engine runs it in dense mode, and the PowerInfer twin in gate and predictor modes.
-Each run is its own subprocess (so peak RSS is its own): load, a 16-token prompt, then
-n_gen greedy tokens one at a time. The table also shows the active-neuron fraction, the
-weight bytes each token reads and that rate against the machine's measured memory
-bandwidth. A second table runs each of our modes interleaved with llama-cpp-python
-(one process, decode steps alternating), which cancels the machine's bandwidth drift.
+engine runs its PowerInfer twin in each mode. The machine's bandwidth drifts by tens of
+percent from minute to minute, so every comparison holds both engines in one process and
+alternates their steps (decode tokens, or whole prompts), and the ratios are what to read.
+
+Decode: after a 16-token prompt, --n-gen greedy tokens one at a time. For each mode the
+table gives the weight bytes a token reads (attention, norms, output, predictor, and of
+the FFN matrices only the active rows the engine counted) and the ideal speed-up, dense
+bytes / sparse bytes, then the achieved ratio and its fraction of that ideal. Prompt
+processing: prompts of --prompts tokens evaluated in one call. Peak RSS: each engine
+alone in its own process (load, the longest prompt, the decode).
 """
 
 from __future__ import annotations
@@ -20,105 +25,82 @@ import json
 import resource
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .common import ChildError, add_pair_arguments, measure_bandwidth, missing_pair, print_table, spawn
+from .common import ChildError, add_pair_arguments, cpu_model, measure_bandwidth, missing_pair, print_table, spawn
 
-N_CTX = 512
-PROMPT = b"The quick brown fox jumps over the lazy dog while the river runs on."
-RUNS = [  # (label, engine, file kind, mode)
-    ("llama-cpp-python dense", "llama-cpp-python", "dense", None),
-    ("powerinfer dense", "powerinfer", "dense", "dense"),
-    ("powerinfer gate", "powerinfer", "powerinfer", "gate"),
-    ("powerinfer predictor", "powerinfer", "powerinfer", "predictor"),
-]
+PROMPT_TEXT = (
+    "In the beginning of the industrial age, the cities of northern England grew faster than anyone had "
+    "planned. Mills rose along every river, and the people who came to work in them lived in narrow streets. "
+)
+MODES = ("dense", "gate", "predictor")
 
-
-# ---- child ---------------------------------------------------------------------------
-
-
-# Per-layer tensors and which modes read only the active rows of them.
-_LAYER_TENSORS = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                  "ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1", "fc2"]
-_SPARSE_ROWS = {"gate": {"ffn_up", "ffn_down_t"}, "predictor": {"ffn_gate", "ffn_up", "ffn_down_t"}}
+# Per-layer weight tensors, and which of them each mode reads only the active rows of
+# (dense mode on a file with only ffn_down_t adds the rows with a nonzero activation).
+_LAYER_TENSORS = ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_norm",
+                  "ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1", "fc2")
+_SPARSE_ROWS = {"dense": {"ffn_down_t"}, "gate": {"ffn_up", "ffn_down_t"},
+                "predictor": {"ffn_gate", "ffn_up", "ffn_down_t"}}
 
 
-def _weights_read_per_token(nbytes, n_layer: int, mode: Optional[str], active: List[float]) -> float:
-    """Bytes of weights one decode step reads: all but the embedding table (one row),
-    the predictor only in predictor mode, and in the sparse modes only the active
-    fraction of the FFN matrices they skip rows of. nbytes(name) -> size or -1."""
-    total = sum(max(nbytes(n), 0) for n in ("output_norm.weight", "output.weight"))
+def weights_read_per_token(nbytes: Callable[[str], int], n_layer: int, mode: Optional[str],
+                           active: Sequence[float]) -> float:
+    """Bytes of weights one decode step reads: all but the token embeddings (one row),
+    the predictor only in predictor mode, and in the sparse modes only the active fraction
+    of the FFN rows they skip. nbytes(name) -> size or -1; mode None: llama.cpp's dense read."""
+    total = sum(max(nbytes(n), 0) for n in ("output_norm.weight", "output_norm.bias", "output.weight"))
+    if nbytes("output.weight") < 0:  # tied output: the embeddings are read whole by the LM head
+        total += max(nbytes("token_embd.weight"), 0)
     for il in range(n_layer):
         for kind in _LAYER_TENSORS:
-            size = nbytes(f"blk.{il}.{kind}.weight")
-            if size < 0 or (kind in ("fc1", "fc2") and mode != "predictor"):
-                continue
-            total += size * (active[il] if kind in _SPARSE_ROWS.get(mode, ()) else 1.0)
+            for suffix in ("weight", "bias"):
+                size = nbytes(f"blk.{il}.{kind}.{suffix}")
+                if size < 0 or (kind in ("fc1", "fc2") and mode != "predictor"):
+                    continue
+                total += size * (active[il] if mode and kind in _SPARSE_ROWS[mode] else 1.0)
     return total
 
 
-def run_child(engine: str, path: str, mode: Optional[str], threads: int, n_gen: int) -> Dict[str, Any]:
-    """One run, in its own process (each engine is imported here, so the other's library
-    does not count in this process's peak RSS)."""
-    t0 = time.perf_counter()
-    if engine == "llama-cpp-python":
-        import llama_cpp
-
-        llm = llama_cpp.Llama(model_path=path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False)
-        toks = llm.tokenize(PROMPT)
-        t_load = time.perf_counter() - t0
-        llm.eval(toks)
-        t1 = time.perf_counter()
-        for _ in range(n_gen):
-            tok = int(np.argmax(llm._scores[-1]))
-            llm.eval([tok])
-        t_gen = time.perf_counter() - t1
-        import gguf
-
-        sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
-        n_layer = llm.n_layer() if hasattr(llm, "n_layer") else llama_cpp.llama_model_n_layer(llm.model)
-        bytes_per_tok = _weights_read_per_token(lambda n: sizes.get(n, -1), n_layer, None, [1.0] * n_layer)
-        active = None
-    else:
-        from .._core import Context, Model
-
-        with Model(path, sparse_mode=mode, n_threads=threads) as model, \
-                Context(model, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads) as ctx:
-            toks = model.tokenize(PROMPT, True, False)
-            t_load = time.perf_counter() - t0
-            ctx.decode(toks, 0)
-            ctx.reset_timings()
-            t1 = time.perf_counter()
-            for i in range(n_gen):
-                ctx.decode([int(np.argmax(ctx.logits(-1)))], len(toks) + i)
-            t_gen = time.perf_counter() - t1
-            n_layer = model.n_layer()
-            active = [a / b if b else 1.0 for a, b in (ctx.sparse_stats(il) for il in range(n_layer))]
-            bytes_per_tok = _weights_read_per_token(model.tensor_nbytes, n_layer, mode, active)
-    return {
-        "t_load": t_load,
-        "decode_tok_s": n_gen / t_gen,
-        "active": float(np.mean(active)) if active else 1.0,
-        "bytes_per_token": bytes_per_tok,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-    }
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def run_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int) -> Dict[str, Any]:
-    """llama-cpp-python and one of our modes in one process, decode steps alternating, so
-    both see the same memory bandwidth at every moment (this machine's drifts by ~30%
-    from minute to minute). Each follows its own greedy tokens."""
+def _prompt_tokens(tokenize: Callable[[bytes], List[int]], n: int) -> List[int]:
+    text = PROMPT_TEXT
+    while True:
+        toks = tokenize(text.encode())
+        if len(toks) >= n:
+            return toks[:n]
+        text += PROMPT_TEXT
+
+
+def _engines(dense_path: str, path: str, mode: str, threads: int, n_ctx: int):
     import llama_cpp
 
     from ..llama import Llama
 
-    ref = llama_cpp.Llama(model_path=dense_path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False)
-    ours = Llama(model_path=path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, sparse_mode=mode,
-                 verbose=False)
-    ref.eval(ref.tokenize(PROMPT))
-    ours.eval(ours.tokenize(PROMPT))
+    ref = llama_cpp.Llama(model_path=dense_path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    ours = Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                 sparse_mode=mode, verbose=False)
+    return ref, ours
+
+
+# ---- children -------------------------------------------------------------------------------
+
+
+def decode_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int) -> Dict[str, Any]:
+    """Both engines in this process, decode steps alternating; each follows its own greedy
+    tokens after the same 16-token prompt. Also the bytes each engine's token reads."""
+    import gguf
+
+    ref, ours = _engines(dense_path, path, mode, threads, 512)
+    prompt = _prompt_tokens(lambda b: ref.tokenize(b), 16)
+    ref.eval(prompt)
+    ours.eval(_prompt_tokens(lambda b: ours.tokenize(b), 16))
+    ours.reset_timings()
     t_ref = t_ours = 0.0
     for _ in range(n_gen):
         t = time.perf_counter()
@@ -127,75 +109,144 @@ def run_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int) ->
         t = time.perf_counter()
         ours.eval([int(np.argmax(ours._last_logits_view()))])
         t_ours += time.perf_counter() - t
-    return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours}
+    stats = ours.sparse_stats()
+    n_layer = len(stats["layers"])
+    active = [1.0 if a is None else a for a in stats["layers"]]
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(dense_path).tensors}
+    return {
+        "mode": stats["mode"],
+        "ref_tok_s": n_gen / t_ref,
+        "ours_tok_s": n_gen / t_ours,
+        "active": stats["active"],
+        "dense_bytes": weights_read_per_token(lambda n: sizes.get(n, -1), n_layer, None, [1.0] * n_layer),
+        "sparse_bytes": weights_read_per_token(ours._model.tensor_nbytes, n_layer, stats["mode"], active),
+    }
 
 
-# ---- parent ----------------------------------------------------------------------------
+def prompt_pair(dense_path: str, path: str, mode: str, threads: int, lengths: Sequence[int], reps: int) -> Dict[str, Any]:
+    """Both engines in this process; each prompt length evaluated `reps` times by each,
+    alternating; the best time of each."""
+    ref, ours = _engines(dense_path, path, mode, threads, max(lengths) + 64)
+    out: Dict[str, Any] = {}
+    for n in lengths:
+        toks_ref = _prompt_tokens(lambda b: ref.tokenize(b), n)
+        toks_ours = _prompt_tokens(lambda b: ours.tokenize(b), n)
+        best_ref = best_ours = float("inf")
+        for _ in range(reps):
+            ref.reset()
+            t = time.perf_counter()
+            ref.eval(toks_ref)
+            best_ref = min(best_ref, time.perf_counter() - t)
+            ours.reset()
+            t = time.perf_counter()
+            ours.eval(toks_ours)
+            best_ours = min(best_ours, time.perf_counter() - t)
+        out[str(n)] = {"ref_tok_s": n / best_ref, "ours_tok_s": n / best_ours}
+    return out
+
+
+def peak_rss(engine: str, path: str, mode: Optional[str], threads: int, n_prompt: int, n_gen: int) -> Dict[str, Any]:
+    """One engine alone: load, a prompt of n_prompt tokens, n_gen decode steps; peak RSS."""
+    t0 = time.perf_counter()
+    if engine == "llama-cpp-python":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads,
+                              n_threads_batch=threads, verbose=False)
+        last = lambda: llm._scores[-1]  # noqa: E731
+    else:
+        from ..llama import Llama
+
+        llm = Llama(model_path=path, n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                    sparse_mode=mode, verbose=False)
+        last = llm._last_logits_view
+    t_load = time.perf_counter() - t0
+    llm.eval(_prompt_tokens(lambda b: llm.tokenize(b), n_prompt))
+    for _ in range(n_gen):
+        llm.eval([int(np.argmax(last()))])
+    return {"load_s": t_load, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+
+
+# ---- parent -------------------------------------------------------------------------------------
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench sparse", description=__doc__.split("\n\n")[0])
-    add_pair_arguments(p, "standard GGUF (llama-cpp-python and our dense mode)",
-                       "its PowerInfer twin (gate and predictor modes)")
-    p.add_argument("--repeat", type=int, default=1, help="rounds over all runs; each row keeps its best (default 1)")
-    p.add_argument("--no-interleave", action="store_true",
-                   help="skip the interleaved pairs (each mode against llama-cpp-python step by step)")
+    add_pair_arguments(p, "standard GGUF (llama-cpp-python)", "its PowerInfer twin (our engine, every mode)")
+    p.set_defaults(n_gen=64)
+    p.add_argument("--modes", default=",".join(MODES), help="our modes on the PowerInfer file (default: all three)")
+    p.add_argument("--prompts", default="64,512", help="prompt lengths in tokens, comma-separated ('' skips)")
+    p.add_argument("--prompt-reps", type=int, default=2, help="evaluations of each prompt per engine (best kept)")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs")
     args = p.parse_args(argv)
     missing = missing_pair([args.dense, args.powerinfer])
     if missing:
         print(missing, file=sys.stderr)
         return 1
-    if args.repeat < 1:
-        print("error: --repeat must be >= 1", file=sys.stderr)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    try:
+        lengths = [int(n) for n in args.prompts.split(",") if n.strip()]
+    except ValueError:
+        lengths = [-1]
+    if bad or not modes or any(n < 1 or n > 4096 for n in lengths) or args.n_gen < 1 or args.prompt_reps < 1:
+        print("error: --modes takes dense, gate, predictor; --prompts lengths in [1, 4096]; --n-gen and "
+              "--prompt-reps >= 1", file=sys.stderr)
         return 1
-    # Rounds over all runs, so a slow spell of this shared machine hits every engine;
-    # each row keeps its best round.
-    rows: List[Optional[Dict[str, Any]]] = [None] * len(RUNS)
-    for rnd in range(args.repeat):
-        for j, (label, engine, kind, mode) in enumerate(RUNS):
-            print(f"round {rnd + 1}/{args.repeat}: running {label} ...", file=sys.stderr, flush=True)
-            try:
-                res = spawn(run_child, engine=engine, path=getattr(args, kind), mode=mode, threads=args.threads,
-                            n_gen=args.n_gen)
-            except ChildError as e:
-                print(f"error: {label} failed:\n{e.output[-2000:]}", file=sys.stderr)
-                return 1
-            res = dict(label=label, **res)
-            if rows[j] is None or res["decode_tok_s"] > rows[j]["decode_tok_s"]:
-                rows[j] = res
-    pairs: Dict[str, Dict[str, Any]] = {}
-    for label, engine, kind, mode in RUNS[1:] if not args.no_interleave else []:
-        print(f"interleaved with llama-cpp-python: {label} ...", file=sys.stderr, flush=True)
-        try:
-            pairs[label] = spawn(run_pair, dense_path=args.dense, path=getattr(args, kind), mode=mode,
-                                 threads=args.threads, n_gen=args.n_gen)
-        except ChildError as e:
-            print(f"error: interleaved {label} failed:\n{e.output[-2000:]}", file=sys.stderr)
-            return 1
+
+    results: Dict[str, Any] = {"decode": {}, "prompt": {}, "rss": {}}
+    try:
+        for mode in modes:
+            print(f"decode, interleaved with llama-cpp-python: {mode} ...", file=sys.stderr, flush=True)
+            results["decode"][mode] = spawn(decode_pair, dense_path=args.dense, path=args.powerinfer, mode=mode,
+                                            threads=args.threads, n_gen=args.n_gen)
+        for mode in [m for m in ("predictor", "dense") if m in modes] if lengths else []:
+            print(f"prompt processing, interleaved: {mode} ...", file=sys.stderr, flush=True)
+            results["prompt"][mode] = spawn(prompt_pair, dense_path=args.dense, path=args.powerinfer, mode=mode,
+                                            threads=args.threads, lengths=lengths, reps=args.prompt_reps)
+        if not args.no_rss:
+            n_prompt = max(lengths) if lengths else 16
+            for label, engine, path, mode in (("llama-cpp-python", "llama-cpp-python", args.dense, None),
+                                              ("powerinfer " + modes[-1], "powerinfer", args.powerinfer, modes[-1])):
+                print(f"peak RSS: {label} ...", file=sys.stderr, flush=True)
+                results["rss"][label] = spawn(peak_rss, engine=engine, path=path, mode=mode, threads=args.threads,
+                                              n_prompt=n_prompt, n_gen=args.n_gen)
+    except ChildError as e:
+        print(f"error: a benchmark run failed ({e.reason}):\n{e.output[-2000:]}", file=sys.stderr)
+        return 1
     # After the children: a child's peak RSS would otherwise include this array
     # (Linux carries the parent's high-water mark across fork and exec).
     bw = measure_bandwidth(args.threads)
-    ref = rows[0]["decode_tok_s"]
-    table = []
-    for r in rows:
-        rate = r["bytes_per_token"] * r["decode_tok_s"]
-        table.append([r["label"], f"{r['decode_tok_s']:.2f}", f"{r['decode_tok_s'] / ref:.2f}x", f"{100 * r['active']:.1f}%",
-                      f"{r['bytes_per_token'] / 2**30:.2f} GiB", f"{rate / 1e9:.1f}", f"{100 * rate / bw:.0f}%",
-                      f"{r['peak_rss_mib']:.0f} MiB"])
-    print()
-    print_table(f"model: {args.dense} (+ PowerInfer twin), threads {args.threads}, {args.n_gen} decoded tokens, "
-                f"best of {args.repeat} round(s), measured read bandwidth ({args.threads} threads) {bw / 1e9:.1f} GB/s",
-                ("engine / mode", "decode tok/s", "vs llama-cpp-python", "active FFN", "weights/token", "GB/s",
-                 "of bandwidth", "peak RSS"), table)
-    if pairs:
+    results["bandwidth"] = bw
+    results["cpu"] = cpu_model()
+
+    print(f"\nmodels: {args.dense} (llama-cpp-python) and {args.powerinfer} (powerinfer); {args.threads} threads; "
+          f"measured read bandwidth ({args.threads} threads) {bw / 1e9:.1f} GB/s\n")
+    rows = []
+    for mode, r in results["decode"].items():
+        ideal = r["dense_bytes"] / r["sparse_bytes"]
+        achieved = r["ours_tok_s"] / r["ref_tok_s"]
+        rows.append([f"{mode} ({r['mode']})" if r["mode"] != mode else mode,
+                     "-" if r["active"] is None else f"{100 * r['active']:.1f}%",
+                     f"{_size(r['sparse_bytes'])} / {_size(r['dense_bytes'])}", f"{ideal:.2f}x",
+                     f"{r['ref_tok_s']:.2f}", f"{r['ours_tok_s']:.2f}", f"{achieved:.2f}x", f"{100 * achieved / ideal:.0f}%"])
+    print_table(f"Decode, {args.n_gen} tokens, steps interleaved with llama-cpp-python in one process:",
+                ("mode", "active FFN", "weights/token (ours / dense)", "ideal (dense / sparse bytes)",
+                 "llama-cpp-python tok/s", "powerinfer tok/s", "achieved", "of ideal"), rows)
+    if results["prompt"]:
         print()
-        print_table("Interleaved (one process per pair, decode steps alternating with llama-cpp-python):",
-                    ("engine / mode", "decode tok/s", "llama-cpp-python tok/s, same steps", "ratio"),
-                    [[label, f"{r['ours_tok_s']:.2f}", f"{r['ref_tok_s']:.2f}", f"{r['ours_tok_s'] / r['ref_tok_s']:.2f}x"]
-                     for label, r in pairs.items()])
+        rows = [[mode, n, f"{r['ref_tok_s']:.1f}", f"{r['ours_tok_s']:.1f}", f"{r['ours_tok_s'] / r['ref_tok_s']:.2f}x"]
+                for mode, by_len in results["prompt"].items() for n, r in by_len.items()]
+        print_table(f"Prompt processing (one call per prompt, best of {args.prompt_reps}, engines alternating):",
+                    ("mode", "prompt tokens", "llama-cpp-python tok/s", "powerinfer tok/s", "ratio"), rows)
+    if results["rss"]:
+        print()
+        print_table("Peak RSS, each engine alone (load, the longest prompt, the decode):",
+                    ("engine", "load s", "peak RSS"),
+                    [[k, f"{r['load_s']:.1f}", f"{r['peak_rss_mib']:.0f} MiB"] for k, r in results["rss"].items()])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bw, "rows": rows, "interleaved": pairs}, f, indent=1)
+            json.dump(results, f, indent=1)
     return 0
 
 
