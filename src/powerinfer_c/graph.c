@@ -67,7 +67,7 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
         return ggml_mul_mat(ctx, l->ffn_down, h);
     }
     if (l->ffn_down_b && (h->ne[1] > 1 || !pi_act_is_relu(act))) {
-        return l->ffn_down_b_packed ? pi_q8p_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
+        return l->ffn_down_b_packed ? pi_packed_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
     }
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
 }

@@ -147,7 +147,7 @@ static enum ggml_type batch_down_type(enum ggml_type t, int64_t n_ff) {
 }
 
 static bool down_packed(enum ggml_type t, int64_t n_embd, int64_t n_ff) {
-    return pi_q8p_available() && batch_down_type(t, n_ff) == GGML_TYPE_Q8_0 && n_embd % PI_Q8P_ROWS == 0;
+    return pi_pack_available() && batch_down_type(t, n_ff) == GGML_TYPE_Q8_0 && n_embd % PI_PACK_ROWS == 0;
 }
 
 // The first extra buffer type whose matmul takes a tensor like t, else NULL.
@@ -190,10 +190,10 @@ static int32_t transpose_down(const struct ggml_tensor * down_t, struct ggml_ten
         for (int64_t c = 0; c < w; ++c) {
             for (int64_t i = 0; i < n_ff; ++i) cols[c * n_ff + i] = blk[i * strip + c];
         }
-        for (int64_t c = 0; c < w; c += packed ? PI_Q8P_ROWS : w) {
+        for (int64_t c = 0; c < w; c += packed ? PI_PACK_ROWS : w) {
             char * out = (char *) dst->data;
             if (packed) {
-                pi_q8p_pack_group(cols + c * n_ff, n_ff, c0 + c, out);
+                pi_pack_q8_group_f32(cols + c * n_ff, n_ff, c0 + c, out);
             } else if (from_float) {
                 for (int64_t r = 0; r < w; ++r) from_float(cols + r * n_ff, out + (size_t) (c0 + r) * dst_rs, n_ff);
             } else {
@@ -243,7 +243,7 @@ static int32_t alloc_copies(struct powerinfer_model * model, ggml_backend_buffer
         if (!transposed[i]) {
             t = ggml_dup_tensor(ctx, s);
         } else if (down_packed(s->type, s->ne[0], s->ne[1])) {
-            t = pi_q8p_tensor(ctx, s->ne[0], s->ne[1]);
+            t = pi_pack_tensor(ctx, PI_PACK_Q8, s->ne[0], s->ne[1]);
         } else {
             t = ggml_new_tensor_2d(ctx, batch_down_type(s->type, s->ne[1]), s->ne[1], s->ne[0]);
         }

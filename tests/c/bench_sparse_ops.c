@@ -55,9 +55,10 @@ static void fill_weights(struct ggml_tensor * t, void * host) {
 
 struct layer {
     struct ggml_tensor * down_p;                        // the down projection packed as Q8_0x16 (packed_matmul.h)
+    struct ggml_tensor * gate_p;                        // the gate packed exactly (Q4_0x16 / Q8_0x16), when it fits
     struct ggml_tensor * bundle;                        // --bundle: [3 * n_embd, n_ff], gate|up|down_t rows per neuron
     struct ggml_tensor * gate, * up, * down_t, * down;  // plain CPU buffer (views into bundle with --bundle)
-    struct ggml_tensor * idx;                           // I32 [n_ff + 1]
+    struct ggml_tensor * idx;                           // an active list, I32 [n_ff + PI_INDEX_EXTRA]
 };
 
 static ggml_backend_buffer_type_t repack_buft(void) {
@@ -131,8 +132,11 @@ int main(int argc, char ** argv) {
             L[il].down_t = ggml_new_tensor_2d(wctx, type, n_embd, n_ff);
         }
         L[il].down   = ggml_new_tensor_2d(wctx, type, n_ff, n_embd);
-        L[il].down_p = pi_q8p_tensor(wctx, n_embd, n_ff);
-        L[il].idx    = ggml_new_tensor_1d(wctx, GGML_TYPE_I32, n_ff + 1);
+        L[il].down_p = pi_pack_tensor(wctx, PI_PACK_Q8, n_embd, n_ff);
+        if (pi_pack_fits(type, n_embd, n_ff)) {
+            L[il].gate_p = pi_pack_tensor(wctx, type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, n_ff, n_embd);
+        }
+        L[il].idx    = ggml_new_tensor_1d(wctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA);
     }
     ggml_backend_buffer_t wbuf;
     if (huge) {
@@ -183,17 +187,26 @@ int main(int argc, char ** argv) {
     for (int il = 0; il < n_layer; ++il) {
         {
             // Packed Q8_0x16 down: random rows, one group of 16 at a time.
-            float * rows = malloc(sizeof(float) * PI_Q8P_ROWS * (size_t) n_ff);
+            float * rows = malloc(sizeof(float) * PI_PACK_ROWS * (size_t) n_ff);
             void * packed = malloc(ggml_nbytes(L[il].down_p));
-            for (int64_t r0 = 0; r0 < n_embd; r0 += PI_Q8P_ROWS) {
-                for (int64_t i = 0; i < PI_Q8P_ROWS * n_ff; ++i) rows[i] = (float) ((int) (rnd() % 2001) - 1000) * 1e-5f;
-                pi_q8p_pack_group(rows, n_ff, r0, packed);
+            for (int64_t r0 = 0; r0 < n_embd; r0 += PI_PACK_ROWS) {
+                for (int64_t i = 0; i < PI_PACK_ROWS * n_ff; ++i) rows[i] = (float) ((int) (rnd() % 2001) - 1000) * 1e-5f;
+                pi_pack_q8_group_f32(rows, n_ff, r0, packed);
             }
             ggml_backend_tensor_set(L[il].down_p, packed, 0, ggml_nbytes(L[il].down_p));
             free(rows);
             free(packed);
         }
+        if (L[il].gate_p && !bundle) {
+            void * packed = malloc(ggml_nbytes(L[il].gate_p));
+            fill_weights(L[il].gate, host);
+            pi_pack_rows_exact(type, host, ggml_row_size(type, n_embd), n_embd, 0, n_ff, packed);
+            ggml_backend_tensor_set(L[il].gate_p, packed, 0, ggml_nbytes(L[il].gate_p));
+            free(packed);
+            ggml_backend_tensor_set(L[il].gate, host, 0, ggml_nbytes(L[il].gate));
+        }
         struct ggml_tensor * ws[4] = { L[il].gate, L[il].up, L[il].down_t, L[il].down };
+        if (L[il].gate_p && !bundle) ws[0] = NULL;  // filled above
         if (bundle) ws[0] = L[il].bundle, ws[1] = ws[2] = NULL;
         for (int k = 0; k < 4; ++k) {
             if (!ws[k]) continue;
@@ -202,6 +215,7 @@ int main(int argc, char ** argv) {
         }
         // Active neurons: neuron i with probability prob[i], ascending.
         int32_t * ids = host;
+        memset(ids, 0, ggml_nbytes(L[il].idx));  // the work counters start at zero
         int32_t n = 0;
         for (int64_t i = 0; i < n_ff; ++i) {
             if ((double) (rnd() % 1000000) < prob[i] * 1e6) ids[1 + n++] = (int32_t) i;
@@ -236,14 +250,16 @@ int main(int argc, char ** argv) {
 
     for (int pass = 0; pass < (batch > 1 ? 2 : 1); ++pass) {
         const int T = pass == 0 ? 1 : batch;
-        enum { DENSE_GATE, DENSE_GATE_REPACKED, DENSE_DOWN, PACKED_DOWN, SEPARATE, FUSED, MATVEC, AXPY, AXPY_DOWN_T, N_OPS };
+        enum { DENSE_GATE, DENSE_GATE_REPACKED, PACKED_GATE, DENSE_DOWN, PACKED_DOWN, SEPARATE, FUSED, MATVEC, AXPY, AXPY_DOWN_T, N_OPS };
         static const char * names[N_OPS] = { "ggml mul_mat (gate, plain)", "ggml mul_mat (gate, repacked)",
+                                             "packed matmul (gate, exact)",
                                              "ggml mul_mat (down, plain)", "packed Q8_0x16 matmul (down)",
                                              "sparse: matvec up+gate, axpy down",
                                              "sparse: fused", "sparse: matvec (gate only)", "sparse: axpy (down only)",
                                              "axpy over ffn_down_t (all rows)" };
         for (int op = 0; op < N_OPS; ++op) {
             if (op == DENSE_GATE_REPACKED && !rbuf) { printf("(no repacked buffer)\n"); continue; }
+            if (op == PACKED_GATE && (!L[0].gate_p || bundle)) continue;
             if (T > 1 && (op == SEPARATE || op == FUSED || op == MATVEC || op == AXPY)) continue;
             struct ggml_init_params gp = { .mem_size = gbuf, .no_alloc = true };
             struct ggml_context * g = ggml_init(gp);
@@ -261,7 +277,8 @@ int main(int argc, char ** argv) {
                     case DENSE_GATE: out = ggml_mul_mat(g, l->gate, x); bytes += ggml_nbytes(l->gate); break;
                     case DENSE_GATE_REPACKED: out = ggml_mul_mat(g, rgate[il], x); bytes += (double) n_ff * row_bytes; break;
                     case DENSE_DOWN: out = ggml_mul_mat(g, l->down, hx); bytes += ggml_nbytes(l->down); break;
-                    case PACKED_DOWN: out = pi_q8p_matmul(g, l->down_p, hx); bytes += ggml_nbytes(l->down_p); break;
+                    case PACKED_GATE: out = pi_packed_matmul(g, l->gate_p, x); bytes += ggml_nbytes(l->gate_p); break;
+                    case PACKED_DOWN: out = pi_packed_matmul(g, l->down_p, hx); bytes += ggml_nbytes(l->down_p); break;
                     case SEPARATE: {
                         struct ggml_tensor * xq = pi_convert_rows(g, x, vt);
                         struct ggml_tensor * h = ggml_swiglu_split(g, pi_sparse_matvec(g, l->gate, xq, l->idx),
@@ -305,19 +322,19 @@ int main(int argc, char ** argv) {
             // The AXPY row is timed over every row: make the index list full for it.
             int32_t * saved = NULL;
             if (op == AXPY_DOWN_T) {
-                saved = malloc(sizeof(int32_t) * (size_t) (n_ff + 1) * n_layer);
-                int32_t * all = malloc(sizeof(int32_t) * (size_t) (n_ff + 1));
+                saved = malloc(sizeof(int32_t) * (size_t) (n_ff + PI_INDEX_EXTRA) * n_layer);
+                int32_t * all = calloc((size_t) (n_ff + PI_INDEX_EXTRA), sizeof(int32_t));
                 all[0] = (int32_t) n_ff;
                 for (int64_t i = 0; i < n_ff; ++i) all[1 + i] = (int32_t) i;
                 for (int il = 0; il < n_layer; ++il) {
-                    ggml_backend_tensor_get(L[il].idx, saved + (size_t) il * (n_ff + 1), 0, ggml_nbytes(L[il].idx));
+                    ggml_backend_tensor_get(L[il].idx, saved + (size_t) il * (n_ff + PI_INDEX_EXTRA), 0, ggml_nbytes(L[il].idx));
                     ggml_backend_tensor_set(L[il].idx, all, 0, ggml_nbytes(L[il].idx));
                 }
                 free(all);
             }
             const double dt = run(be, gf, reps);
             if (saved) {
-                for (int il = 0; il < n_layer; ++il) ggml_backend_tensor_set(L[il].idx, saved + (size_t) il * (n_ff + 1), 0, ggml_nbytes(L[il].idx));
+                for (int il = 0; il < n_layer; ++il) ggml_backend_tensor_set(L[il].idx, saved + (size_t) il * (n_ff + PI_INDEX_EXTRA), 0, ggml_nbytes(L[il].idx));
                 free(saved);
             }
             printf("| %s | %d | %.3f | %.2f | %.1f |\n", names[op], T, 1e3 * dt / n_layer, bytes / dt / 1e9, T / dt);

@@ -70,11 +70,12 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * tw  = ggml_new_tensor_2d(ctx, type, n_embd, n_ff);
     struct ggml_tensor * tx  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, n_tok);
     struct ggml_tensor * th  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, n_tok);
-    struct ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
+    struct ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA);
     ggml_quantize_chunk(type, w, tw->data, 0, n_ff, n_embd, NULL);
     memcpy(tx->data, x, ggml_nbytes(tx));
     memcpy(th->data, h, ggml_nbytes(th));
     int32_t * ids = (int32_t *) idx->data;
+    memset(ids, 0, ggml_nbytes(idx));  // the work counters start at zero
     ids[0] = n_active;
     if (n_active < 0 || n_active > n_ff || !read_all(in, ids + 1, sizeof(int32_t) * (size_t) n_active)) {
         return die("bad active list");
@@ -85,11 +86,11 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * up   = pi_sparse_matvec(ctx, tw, xq, idx);
     struct ggml_tensor * down = pi_sparse_axpy(ctx, tw, th, idx);
     struct ggml_tensor * ffn  = n_tok <= 8 ? pi_sparse_ffn(ctx, tw, tw, NULL, tw, xq, xq, idx, PI_ACT_RELU) : NULL;
-    struct ggml_tensor * tp   = pi_q8p_tensor(ctx, n_ff, n_embd);
-    for (int64_t r0 = 0; r0 < n_ff; r0 += PI_Q8P_ROWS) {
-        pi_q8p_pack_group(w + r0 * n_embd, n_embd, r0, tp->data);
+    struct ggml_tensor * tp   = pi_pack_tensor(ctx, PI_PACK_Q8, n_ff, n_embd);
+    for (int64_t r0 = 0; r0 < n_ff; r0 += PI_PACK_ROWS) {
+        pi_pack_q8_group_f32(w + r0 * n_embd, n_embd, r0, tp->data);
     }
-    struct ggml_tensor * packed = pi_q8p_matmul(ctx, tp, tx);
+    struct ggml_tensor * packed = pi_packed_matmul(ctx, tp, tx);
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, up);
     ggml_build_forward_expand(gf, down);
