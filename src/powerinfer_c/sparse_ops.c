@@ -39,6 +39,7 @@ static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * u
         }
     }
     out[0] = n;
+    out[n_ff + 1] = out[n_ff + 2] = 0;
     stat->n_active += n + n_skipped;
     stat->n_total  += n_ff;
 }
@@ -49,7 +50,7 @@ static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * use
         return;
     }
     const struct pi_active_stat * stat = userdata;
-    const int64_t n_ff = dst->ne[0] - 1;
+    const int64_t n_ff = dst->ne[0] - PI_INDEX_EXTRA;
     int32_t * out = (int32_t *) dst->data;
     int32_t n = 0;
     for (int64_t i = 0; i < n_ff; ++i) {
@@ -58,17 +59,18 @@ static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * use
         }
     }
     out[0] = n;
+    out[n_ff + 1] = out[n_ff + 2] = 0;
 }
 
 struct ggml_tensor * pi_cold_index(struct ggml_context * ctx, struct ggml_tensor * ref, int64_t n_ff, struct pi_active_stat * stat) {
     struct ggml_tensor * args[1] = { ref };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, n_ff + 1, 1, 1, 1, args, 1, cold_index_op, 1, stat);
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA, 1, 1, 1, args, 1, cold_index_op, 1, stat);
 }
 
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat) {
     GGML_ASSERT(score->type == GGML_TYPE_F32);
     struct ggml_tensor * args[1] = { score };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + 1, 1, 1, 1, args, 1, active_index_op, 1, stat);
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + PI_INDEX_EXTRA, 1, 1, 1, args, 1, active_index_op, 1, stat);
 }
 
 // ---- activation histogram (calibration) ---------------------------------------------------
@@ -205,7 +207,7 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
 struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * xq,
                                       struct ggml_tensor * idx) {
     GGML_ASSERT(xq->type == ggml_get_type_traits_cpu(w->type)->vec_dot_type);
-    GGML_ASSERT(w->ne[0] == xq->ne[0] && idx->type == GGML_TYPE_I32 && idx->ne[0] == w->ne[1] + 1);
+    GGML_ASSERT(w->ne[0] == xq->ne[0] && idx->type == GGML_TYPE_I32 && idx->ne[0] == w->ne[1] + PI_INDEX_EXTRA);
     struct ggml_tensor * args[3] = { w, xq, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], xq->ne[1], 1, 1, args, 3, sparse_matvec_op, GGML_N_TASKS_MAX, NULL);
 }
@@ -278,7 +280,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
 struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
                                     struct ggml_tensor * idx) {
     GGML_ASSERT(h->type == GGML_TYPE_F32 && h->ne[0] == wt->ne[1]);
-    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == wt->ne[1] + 1);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == wt->ne[1] + PI_INDEX_EXTRA);
     GGML_ASSERT(wt->ne[0] % ggml_blck_size(wt->type) == 0);
     struct ggml_tensor * args[3] = { wt, h, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1], 1, 1, args, 3, sparse_axpy_op, GGML_N_TASKS_MAX, NULL);
@@ -352,14 +354,15 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
     const int32_t n_active = idx[0];
     const int32_t chunk = ffn_chunk_size(n_active);
     const int32_t n_chunks = (n_active + chunk - 1) / chunk;
-    const int32_t c0 = (int32_t) ((int64_t) n_chunks * ith / nth), c1 = (int32_t) ((int64_t) n_chunks * (ith + 1) / nth);
-    if (c0 >= c1) {
-        return;
-    }
+    // Threads claim chunks in order from a shared counter (memory latencies differ from
+    // row to row, so a fixed share would leave a thread waiting); each chunk still sums
+    // into its own partial. The last thread out zeroes the counters for the next run.
+    int32_t * claimed  = (int32_t *) idx + up->ne[1] + 1;
+    int32_t * finished = claimed + 1;
     float * row = row_buffer((size_t) n_embd);
     GGML_ASSERT(row);
-    const int32_t k_end = c1 * chunk < n_active ? c1 * chunk : n_active;
-    for (int32_t c = c0; c < c1; ++c) {
+    for (int32_t c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); c < n_chunks;
+         c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED)) {
         float * part = (float *) ((char *) dst->data + (size_t) c * dst->nb[2]);
         memset(part, 0, (size_t) n_tok * dst->nb[1]);
         const int32_t k_lo = c * chunk, k_hi = k_lo + chunk < n_active ? k_lo + chunk : n_active;
@@ -368,9 +371,9 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
             const void * up_rows[PI_ROWS_MAX], * gate_rows[PI_ROWS_MAX], * down_rows[PI_ROWS_MAX];
             for (int j = 0; j < kn; ++j) {
                 const size_t i = (size_t) idx[1 + k + j];
-                prefetch_rows(up, idx, k + j, k_end, 0, 0);
-                if (gate) prefetch_rows(gate, idx, k + j, k_end, 0, 0);
-                prefetch_rows(wt, idx, k + j, k_end, 0, 0);
+                prefetch_rows(up, idx, k + j, k_hi, 0, 0);
+                if (gate) prefetch_rows(gate, idx, k + j, k_hi, 0, 0);
+                prefetch_rows(wt, idx, k + j, k_hi, 0, 0);
                 up_rows[j]   = (const char *) up->data + i * up->nb[1];
                 gate_rows[j] = gate ? (const char *) gate->data + i * gate->nb[1] : NULL;
                 down_rows[j] = (const char *) wt->data + i * wt->nb[1];
@@ -392,6 +395,10 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
                 axpy_flush(&grp, wt->type, n_embd, out, row);
             }
         }
+    }
+    if (__atomic_add_fetch(finished, 1, __ATOMIC_ACQ_REL) == nth) {
+        __atomic_store_n(claimed, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(finished, 0, __ATOMIC_RELEASE);
     }
 }
 
@@ -435,7 +442,7 @@ struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor
                           xg->type == ggml_get_type_traits_cpu(gate->type)->vec_dot_type && xg->ne[1] == n_tok));
     GGML_ASSERT(!a || (a->type == GGML_TYPE_F32 && a->ne[0] == n_ff && a->ne[1] == n_tok));
     GGML_ASSERT(down_t->ne[0] == n_embd && down_t->ne[1] == n_ff && n_embd % ggml_blck_size(down_t->type) == 0);
-    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == n_ff + 1);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == n_ff + PI_INDEX_EXTRA);
     const struct pi_ffn_cfg * cfg = &g_ffn_cfgs[act][gate ? 1 : a ? 2 : 0];
     struct ggml_tensor * args[7];
     int n = 0;

@@ -36,7 +36,12 @@ struct pi_active_stat {
 // the graph; nothing reads it.
 struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat);
 
-// score: F32 [n_ff, T]. Result: I32 [n_ff + 1]: element 0 is the number of active
+// An active list: I32 [n_ff + PI_INDEX_EXTRA]. Element 0 is the number of active neurons n,
+// elements 1..n their ids in ascending order; the last two are counters with which the
+// fused operator's threads share out its work (the list's makers zero them).
+#define PI_INDEX_EXTRA 3
+
+// score: F32 [n_ff, T]. Result: an active list: element 0 is the number of active
 // neurons n, elements 1..n their ids in ascending order, where a neuron is active if
 // score > stat->threshold for any token (the union over the batch), leaving out neurons
 // with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
