@@ -108,7 +108,7 @@ class Llama:
         logits_all: bool = False,
         embedding: bool = False,
         offload_kqv: bool = True,
-        flash_attn: bool = False,
+        flash_attn: Optional[bool] = None,
         op_offload: Optional[bool] = None,
         swa_full: Optional[bool] = None,
         # Sampling params
@@ -162,6 +162,10 @@ class Llama:
                 `vram_budget` (tests, machines without a GPU); see docs/hybrid.md.
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
+
+        `flash_attn` defaults to None (auto): ggml's flash-attention op, except for dense
+        mode on a standard GGUF, which keeps llama.cpp's plain attention graph and its exact
+        results (True/False force it, as upstream).
 
         llama-cpp-python parameters that change nothing here (GPU split, NUMA, n_ubatch,
         YaRN details, ...) and unknown keyword arguments are accepted and ignored.
@@ -300,11 +304,12 @@ class Llama:
             "active": sum(a for a, _ in counts) / total if total else None,
         }
 
-    def _new_context(self, n_ctx: int, seed: int, flash_attn: bool, embedding: bool) -> None:
+    def _new_context(self, n_ctx: int, seed: int, flash_attn: Optional[bool], embedding: bool) -> None:
         try:
             ctx = Context(
                 self._model, n_ctx=n_ctx, n_batch=self.n_batch, seed=(seed or LLAMA_DEFAULT_SEED) & 0xFFFFFFFF,
-                n_threads=self.n_threads, n_threads_batch=self.n_threads_batch, flash_attn=flash_attn,
+                n_threads=self.n_threads, n_threads_batch=self.n_threads_batch,
+                flash_attn=-1 if flash_attn is None else int(bool(flash_attn)),
                 embeddings=embedding,
             )  # fmt: skip
         except PowerInferError:

@@ -40,6 +40,8 @@ def upstream_params(init_params: Dict[str, Any], n_threads: int, n_threads_batch
     """The constructor's arguments as llama_cpp.Llama takes them."""
     params = {k: v for k, v in init_params.items() if k not in OWN_PARAMS}
     params.update(n_threads=n_threads, n_threads_batch=n_threads_batch)
+    if params.get("flash_attn") is None:
+        params["flash_attn"] = False  # our auto; upstream's default
     return params
 
 

@@ -90,7 +90,10 @@ class ModelSettings(BaseSettings):
         description="Embedding pooling: -1 the model's, 0 none (per token), 1 mean, 2 cls, 3 last.",
     )
     offload_kqv: bool = Field(default=True, description="Whether to offload kqv to the GPU.")
-    flash_attn: bool = Field(default=False, description="Whether to use flash attention.")
+    flash_attn: Optional[bool] = Field(
+        default=None,
+        description="Whether to use flash attention; unset: auto (on, except for dense mode on a standard GGUF).",
+    )
     # Sampling Params
     last_n_tokens_size: int = Field(
         default=64, ge=0, description="Last n tokens to keep for repeat penalty calculation."

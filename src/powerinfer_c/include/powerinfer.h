@@ -97,7 +97,9 @@ struct powerinfer_context_params {
     uint32_t seed;            // default seed for samplers created without one
     int32_t  n_threads;       // decode threads; <= 0: the model's n_threads
     int32_t  n_threads_batch; // prompt threads; <= 0: n_threads
-    bool     flash_attn;      // use ggml's flash-attention op (llama-cpp-python's default is off)
+    int32_t  flash_attn;      // 1: ggml's flash-attention op; 0: the plain attention graph (llama-cpp-python's
+                              // default); < 0 (default): auto, on except for dense mode on a standard GGUF,
+                              // which keeps llama.cpp's graph and its exact results
     bool     embeddings;      // also keep the final-norm hidden states of the output rows
     bool     collect_activations; // calibration: histogram |act(gate)| per layer (runs the dense FFN)
     int32_t  sparse_max_batch; // largest batch that takes the sparse FFN path (union of active neurons);

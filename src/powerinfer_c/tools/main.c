@@ -23,7 +23,7 @@ struct cli_args {
     float        temp, top_p, min_p, repeat_penalty;
     int32_t      top_k, repeat_last_n;
     bool         ignore_eos;
-    bool         flash_attn;
+    int32_t      flash_attn;  // 1 on, 0 off, -1 auto
     bool         verbose;
     float        vram_budget;
     int32_t      n_gpu_layers;
@@ -57,7 +57,8 @@ static void usage(FILE * out, const char * argv0) {
         "  --repeat-penalty N        penalize repeated tokens (default: 1.0 = disabled)\n"
         "  --repeat-last-n N         tokens considered by the penalty (default: 64, -1 = context size)\n"
         "  --ignore-eos              keep generating after the end-of-text token\n"
-        "  -fa, --flash-attn         use flash attention\n"
+        "  -fa, --flash-attn [on|off|auto]  flash attention (alone: on; default auto: on except for\n"
+        "                            dense mode on a standard GGUF, which keeps llama.cpp's graph)\n"
         "  --vram-budget N           device memory budget in GiB for hot neurons (hybrid placement)\n"
         "  --reset-gpu-index         ignore MODEL.generated.gpuidx and solve the neuron placement again\n"
         "  --emulate-device          hybrid placement with the device emulated in host memory (testing)\n"
@@ -113,7 +114,16 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             return -1;
         }
         if (IS("--ignore-eos"))                { a->ignore_eos = true; continue; }
-        if (IS("-fa") || IS("--flash-attn"))   { a->flash_attn = true; continue; }
+        if (IS("-fa") || IS("--flash-attn")) {
+            // -fa alone: on; or -fa on|off|auto, as llama.cpp
+            const char * v = i + 1 < argc ? argv[i + 1] : NULL;
+            a->flash_attn = 1;
+            if (v && (!strcmp(v, "on") || !strcmp(v, "off") || !strcmp(v, "auto"))) {
+                a->flash_attn = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+                ++i;
+            }
+            continue;
+        }
         if (IS("-v") || IS("--verbose"))       { a->verbose = true; continue; }
         if (IS("--reset-gpu-index"))           { a->reset_gpu_index = true; continue; }
         if (IS("--emulate-device"))            { a->emulate_device = true; continue; }
@@ -240,7 +250,7 @@ int main(int argc, char ** argv) {
         .n_predict = -1, .n_ctx = 4096, .n_batch = 512, .seed = 0xFFFFFFFFu,
         .temp = sp.temp, .top_p = sp.top_p, .min_p = sp.min_p, .repeat_penalty = 1.0f,
         .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = -1,
-        .sparse_mode = POWERINFER_SPARSE_AUTO, .sparse_threshold = NAN,
+        .sparse_mode = POWERINFER_SPARSE_AUTO, .sparse_threshold = NAN, .flash_attn = -1,
     };
     int rc = parse_args(argc, argv, &a);
     if (rc != 0) {
