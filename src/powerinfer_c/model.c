@@ -532,6 +532,7 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
              resolve_sparse_mode(model) == POWERINFER_OK;
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
         ok = ok && (!params.batch_weights || pi_make_batch_weights(model, params.use_repack) == POWERINFER_OK);
+        ok = ok && pi_make_row_copies(model) == POWERINFER_OK;
     }
     ok = ok && pi_vocab_load(model) == POWERINFER_OK;
     if (!ok) {
@@ -555,6 +556,7 @@ void powerinfer_model_free(struct powerinfer_model * model) {
     pi_placement_free(model);
     free(model->act_counts);
     pi_repack_free(model);
+    pi_free_row_copies(model);
     pi_model_unload_file(model);
     free(model->path);
     free(model);

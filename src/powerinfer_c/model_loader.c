@@ -191,10 +191,18 @@ void pi_model_unload_file(struct powerinfer_model * model) {
 
 const struct ggml_tensor * pi_model_file_tensor(const struct powerinfer_model * model, const struct ggml_tensor * t) {
     const struct ggml_tensor * o = ggml_get_tensor(model->ctx_meta, ggml_get_name(t));
-    return o && o->data && o->type == t->type && ggml_nbytes(o) == ggml_nbytes(t) ? o : NULL;
+    return o && o->data && o->type == t->type && ggml_are_same_shape(o, t) ? o : NULL;
 }
 
-void pi_release_mapped_range(const void * addr, size_t size) {
+void pi_release_mapped_range(const struct powerinfer_model * model, const void * addr, size_t size) {
+    const uintptr_t m0 = (uintptr_t) model->map.addr, m1 = m0 + model->map.size;
+    if ((uintptr_t) addr < m0 || (uintptr_t) addr + size > m1) {
+        return;  // not the file's pages (a copy in memory): dropping those would lose them
+    }
+    pi_release_pages(addr, size);
+}
+
+void pi_release_pages(const void * addr, size_t size) {
     const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
     const uintptr_t begin = ((uintptr_t) addr + page - 1) & ~(page - 1);
     const uintptr_t end   = ((uintptr_t) addr + size) & ~(page - 1);

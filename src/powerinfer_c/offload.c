@@ -40,9 +40,9 @@ int32_t pi_offload_dense(struct powerinfer_model * model, const struct pi_device
         // the file's pages, and a repacked copy's pages (never touched again, so giving
         // them back is safe).
         if (t != model->tok_embd) {
-            pi_release_mapped_range(o->data, ggml_nbytes(o));
+            pi_release_mapped_range(model, o->data, ggml_nbytes(o));
             if (t->data != o->data) {
-                pi_release_mapped_range(t->data, ggml_nbytes(t));
+                pi_release_pages(t->data, ggml_nbytes(t));  // a repacked host copy nothing reads any more
             }
         }
         *items[i].slot = copies[i];
@@ -237,10 +237,11 @@ int32_t pi_offload_ffn(struct powerinfer_model * model, const struct pi_device *
         }
         rc = copy_layer_rows(model, il, ids[il]);
         // The host rows of these neurons are not read again (the CPU skips them).
-        pi_release_mapped_range(l->ffn_up->data, ggml_nbytes(l->ffn_up));
-        pi_release_mapped_range(l->ffn_down_t->data, ggml_nbytes(l->ffn_down_t));
+        // (Only the file's pages: rows copied into memory for the CPU side stay.)
+        pi_release_mapped_range(model, l->ffn_up->data, ggml_nbytes(l->ffn_up));
+        pi_release_mapped_range(model, l->ffn_down_t->data, ggml_nbytes(l->ffn_down_t));
         if (l->ffn_gate && pred) {
-            pi_release_mapped_range(l->ffn_gate->data, ggml_nbytes(l->ffn_gate));
+            pi_release_mapped_range(model, l->ffn_gate->data, ggml_nbytes(l->ffn_gate));
         }
     }
 done:

@@ -195,6 +195,11 @@ struct powerinfer_model {
     struct ggml_context * repack_ctx[PI_MAX_REPACK_BUFS];
     ggml_backend_buffer_t repack_buf[PI_MAX_REPACK_BUFS];
     int32_t               n_repack_bufs;
+    // the rows the sparse path reads, copied out of the mapping (repack.c)
+    struct ggml_context * rows_ctx;
+    ggml_backend_buffer_t rows_buf;
+    void *                rows_addr;
+    size_t                rows_size;
     uint64_t              n_bytes;
     uint64_t              n_params;
 
@@ -220,11 +225,16 @@ struct powerinfer_model {
 // ctx_meta, map, buf_weights, n_bytes, n_params.
 int32_t pi_model_load_file(struct powerinfer_model * model, const char * path);
 void    pi_model_unload_file(struct powerinfer_model * model);
-// The tensor as stored in the file (mapped), when t has the same name, type and size;
-// NULL otherwise. Repacked and device copies keep their original here.
+// The tensor as stored in the file (mapped), when t has the same name, type and shape;
+// NULL otherwise. Repacked, row-copied and device copies keep their original here.
 const struct ggml_tensor * pi_model_file_tensor(const struct powerinfer_model * model, const struct ggml_tensor * t);
-// Drops the mapped pages lying wholly inside [addr, addr + size) from the resident set.
-void    pi_release_mapped_range(const void * addr, size_t size);
+// Drops the pages of the model file's mapping lying wholly inside [addr, addr + size) from
+// the resident set (they are read again from the file if touched); a range outside the
+// mapping is left alone.
+void    pi_release_mapped_range(const struct powerinfer_model * model, const void * addr, size_t size);
+// Drops the pages wholly inside [addr, addr + size), whatever they are: anonymous memory
+// reads back as zeros, so only for memory that is never read again.
+void    pi_release_pages(const void * addr, size_t size);
 
 // ---- model.c ----
 int32_t pi_model_load_hparams(struct powerinfer_model * model);
@@ -238,6 +248,10 @@ int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor **
 // ffn_gate_b, repacked; only with `repacked`) and ffn_down_t transposed back (ffn_down_b);
 // see repack.c.
 int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked);
+// Moves the rows the sparse path reads (ffn_up, ffn_down_t, ffn_gate in predictor mode) out
+// of the file's mapping into one anonymous region; see repack.c.
+int32_t pi_make_row_copies(struct powerinfer_model * model);
+void    pi_free_row_copies(struct powerinfer_model * model);
 void    pi_repack_free(struct powerinfer_model * model);
 
 // ---- vocab.c ----

@@ -31,6 +31,41 @@ void pi_prefetch(const void * p, size_t n) {
 #endif
 }
 
+// Spreads the prefetch of next's rows over `steps` steps of a loop: step i issues the
+// lines up to (i + 1) / steps of each row.
+struct prefetcher {
+    const struct pi_next_rows * next;
+    int64_t lines, steps, done;
+};
+
+static inline void pf_init(struct prefetcher * pf, const struct pi_next_rows * next, int64_t steps) {
+    pf->next  = next && next->k > 0 ? next : NULL;
+    pf->lines = pf->next ? (int64_t) ((next->bytes + 63) / 64) : 0;
+    pf->steps = steps > 0 ? steps : 1;
+    pf->done  = 0;
+}
+
+static inline void pf_step(struct prefetcher * pf, int64_t i) {
+#if defined(__SSE__)
+    if (!pf->next) {
+        return;
+    }
+    const int64_t target = (i + 1) * pf->lines / pf->steps;
+    for (; pf->done < target; ++pf->done) {
+        for (int j = 0; j < pf->next->k; ++j) {
+            _mm_prefetch((const char *) pf->next->rows[j] + pf->done * 64, PI_PREFETCH_HINT);
+        }
+    }
+#else
+    (void) pf; (void) i;
+#endif
+}
+
+// Whatever of next is not prefetched yet, at once (kernels without a loop of their own).
+static inline void pf_rest(struct prefetcher * pf) {
+    pf_step(pf, pf->steps - 1);
+}
+
 static inline float fp16_to_fp32(ggml_fp16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -79,11 +114,12 @@ static inline __m512 scale_pair(ggml_fp16_t d0, ggml_fp16_t d1) {
 
 // k rows of Q4_0 or Q8_0 (is_q8) against Q8_0 y; nb blocks (even).
 static void dot_rows_vnni(bool is_q8, int64_t nb, const void * const * rows, int k, const struct pi_block_q8_0 * y,
-                          float * out) {
+                          float * out, struct prefetcher * pf) {
     __m512 acc[PI_ROWS_MAX];
     for (int j = 0; j < k; ++j) acc[j] = _mm512_setzero_ps();
     const __m512i bias = _mm512_set1_epi8(is_q8 ? (char) 0x80 : 8);
     for (int64_t b = 0; b < nb; b += 2) {
+        pf_step(pf, b / 2);
         const __m512i yv   = q8_0_pair(y + b);
         const __m512i init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, yv));
         const __m512  dy   = scale_pair(y[b].d, y[b + 1].d);
@@ -107,13 +143,18 @@ static void dot_rows_vnni(bool is_q8, int64_t nb, const void * const * rows, int
 }
 #endif
 
-void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out) {
+void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out,
+                 const struct pi_next_rows * next) {
+    struct prefetcher pf;
 #ifdef PI_DOT_VNNI
     if (blocks_match(type) && n % (2 * PI_QK) == 0) {
-        dot_rows_vnni(type == GGML_TYPE_Q8_0, n / PI_QK, rows, k, (const struct pi_block_q8_0 *) y, out);
+        pf_init(&pf, next, n / PI_QK / 2);
+        dot_rows_vnni(type == GGML_TYPE_Q8_0, n / PI_QK, rows, k, (const struct pi_block_q8_0 *) y, out, &pf);
         return;
     }
 #endif
+    pf_init(&pf, next, 1);
+    pf_rest(&pf);
     ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
     for (int j = 0; j < k; ++j) {
         vec_dot((int) n, out + j, 0, rows[j], 0, y, 0, 1);
@@ -127,11 +168,13 @@ void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PI_AXPY_SIMD 1
 
-static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out) {
+static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
+                           struct prefetcher * pf) {
     // vpermps looks the nibble up in [-8 .. 7]: the dequantized integer as a float.
     const __m512  lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i m   = _mm512_set1_epi32(0x0F);
     for (int64_t b = 0; b < nb; ++b, out += PI_QK) {
+        pf_step(pf, b);
         __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
         for (int j = 0; j < k; ++j) {
             const struct pi_block_q4_0 * blk = (const struct pi_block_q4_0 *) rows[j] + b;
@@ -145,8 +188,10 @@ static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * 
     }
 }
 
-static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out) {
+static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
+                           struct prefetcher * pf) {
     for (int64_t b = 0; b < nb; ++b, out += PI_QK) {
+        pf_step(pf, b);
         __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
         for (int j = 0; j < k; ++j) {
             const struct pi_block_q8_0 * blk = (const struct pi_block_q8_0 *) rows[j] + b;
@@ -161,7 +206,9 @@ static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * 
     }
 }
 #else
-static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out) {
+static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
+                           struct prefetcher * pf) {
+    pf_rest(pf);
     for (int j = 0; j < k; ++j) {
         const struct pi_block_q4_0 * blk = rows[j];
         for (int64_t b = 0; b < nb; ++b) {
@@ -175,7 +222,9 @@ static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * 
     }
 }
 
-static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out) {
+static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
+                           struct prefetcher * pf) {
+    pf_rest(pf);
     for (int j = 0; j < k; ++j) {
         const struct pi_block_q8_0 * blk = rows[j];
         for (int64_t b = 0; b < nb; ++b) {
@@ -190,11 +239,15 @@ static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * 
 #endif
 
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32) {
+                  float * row_f32, const struct pi_next_rows * next) {
+    struct prefetcher pf;
     if (blocks_match(type)) {
-        (type == GGML_TYPE_Q4_0 ? axpy_rows_q4_0 : axpy_rows_q8_0)(n / PI_QK, rows, a, k, out);
+        pf_init(&pf, next, n / PI_QK);
+        (type == GGML_TYPE_Q4_0 ? axpy_rows_q4_0 : axpy_rows_q8_0)(n / PI_QK, rows, a, k, out, &pf);
         return;
     }
+    pf_init(&pf, next, 1);
+    pf_rest(&pf);
     ggml_to_float_t to_float = type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(type)->to_float;
     for (int j = 0; j < k; ++j) {
         const float * w = rows[j];

@@ -18,13 +18,23 @@
 // current row's arithmetic needs (measured: docs/benchmarks.md).
 void pi_prefetch(const void * p, size_t n);
 
+// Rows to bring in while the current ones are computed: the prefetches are spread over
+// the kernel's loop, a few cache lines per step, so the memory system has the next rows in
+// flight without a burst of requests that would overflow its miss buffers.
+struct pi_next_rows {
+    const void * rows[PI_ROWS_MAX];
+    int          k;      // 0: nothing to prefetch
+    size_t       bytes;  // of each row
+};
+
 // out[j] = row_j . y for j < k (k <= PI_ROWS_MAX): rows of `type` with n elements, y the
-// same n elements converted to type's vec_dot_type (ggml_get_type_traits_cpu).
-void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out);
+// same n elements converted to type's vec_dot_type (ggml_get_type_traits_cpu). next may be NULL.
+void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out,
+                 const struct pi_next_rows * next);
 
 // out[0, n) += a[j] * row_j for j = 0 .. k-1, in that order for every element, each
 // step a fused multiply-add of the dequantized weight (so the result does not depend on
 // how rows are grouped into calls). rows point at n elements of `type` (n a multiple of
 // its block size); row_f32: scratch of n floats, used by types without a fused kernel.
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32);
+                  float * row_f32, const struct pi_next_rows * next);

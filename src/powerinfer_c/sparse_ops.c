@@ -119,23 +119,20 @@ struct ggml_tensor * pi_convert_rows(struct ggml_context * ctx, struct ggml_tens
     return ggml_custom_4d(ctx, type, x->ne[0], x->ne[1], 1, 1, args, 1, convert_rows_op, GGML_N_TASKS_MAX, NULL);
 }
 
-// Active neurons whose rows are prefetched ahead of the one being computed (into L2; see
-// sparse_kernels.h). The rows of a sparse op are scattered, so the hardware prefetchers,
-// which follow streams inside a page, would restart cold at every row.
-#ifndef PI_PREFETCH_ROWS
-#define PI_PREFETCH_ROWS 4
-#endif
+// The rows of a sparse op are scattered, so the hardware prefetchers, which follow streams
+// inside a page, restart cold at every row: each kernel call is handed the next group of
+// rows and prefetches them while it computes (sparse_kernels.h).
 
-// Prefetches bytes [off, off + len) of the row of active entry k + PI_PREFETCH_ROWS (len 0:
-// the whole row; rows may be strided views, so a row is its data, not nb[1]).
-static inline void prefetch_rows(const struct ggml_tensor * w, const int32_t * idx, int32_t k, int32_t k_end, size_t off,
-                                 size_t len) {
-    if (len == 0) {
-        len = ggml_row_size(w->type, w->ne[0]);
+// The rows (bytes [off, off + len) of each; len 0: the whole row) of active entries
+// [k, min(k + PI_ROWS_MAX, k_end)), for prefetching. Rows may be strided views, so a row's
+// length is its data, not nb[1].
+static inline struct pi_next_rows next_rows(const struct ggml_tensor * w, const int32_t * idx, int32_t k, int32_t k_end,
+                                            size_t off, size_t len) {
+    struct pi_next_rows nr = { .k = 0, .bytes = len ? len : ggml_row_size(w->type, w->ne[0]) };
+    for (; k < k_end && nr.k < PI_ROWS_MAX; ++k) {
+        nr.rows[nr.k++] = (const char *) w->data + (size_t) idx[1 + k] * w->nb[1] + off;
     }
-    if (PI_PREFETCH_ROWS > 0 && k + PI_PREFETCH_ROWS < k_end) {
-        pi_prefetch((const char *) w->data + (size_t) idx[1 + k + PI_PREFETCH_ROWS] * w->nb[1] + off, len);
-    }
+    return nr;
 }
 
 // Entries [k0, k1) of the active list (1-based positions in idx) handled by thread ith.
@@ -180,15 +177,14 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
         const void * y = (const char *) xq->data + t * xq->nb[1];
         int64_t r = r0;
+        struct pi_next_rows cur = next_rows(w, idx, k0, k1, 0, 0);
+        for (int j = 0; j < cur.k; ++j) pi_prefetch(cur.rows[j], cur.bytes);
         for (int32_t k = k0; k < k1; k += PI_ROWS_MAX) {
-            const int kn = k1 - k < PI_ROWS_MAX ? k1 - k : PI_ROWS_MAX;
-            const void * rows[PI_ROWS_MAX];
+            const int kn = cur.k;
+            const struct pi_next_rows nxt = next_rows(w, idx, k + PI_ROWS_MAX, k1, 0, 0);
             float res[PI_ROWS_MAX];
-            for (int j = 0; j < kn; ++j) {
-                prefetch_rows(w, idx, k + j, k1, 0, 0);
-                rows[j] = (const char *) w->data + (size_t) idx[1 + k + j] * w->nb[1];
-            }
-            pi_rows_dot(w->type, w->ne[0], rows, kn, y, res);
+            pi_rows_dot(w->type, w->ne[0], cur.rows, kn, y, res, &nxt);
+            cur = nxt;
             for (int j = 0; j < kn; ++j) {
                 const int64_t i = idx[1 + k + j];
                 if (i > r) {
@@ -221,22 +217,17 @@ struct axpy_group {
     int          n;
 };
 
-static inline void axpy_push(struct axpy_group * g, const void * row, float a, enum ggml_type type, int64_t n, float * out,
-                             float * row_f32) {
-    if (a == 0.0f) {
-        return;  // ReLU zeros and predicted-but-silent neurons cost nothing here
-    }
-    g->rows[g->n] = row;
-    g->a[g->n++]  = a;
-    if (g->n == PI_ROWS_MAX) {
-        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32);
-        g->n = 0;
+static inline void axpy_push(struct axpy_group * g, const void * row, float a) {
+    if (a != 0.0f) {  // ReLU zeros and predicted-but-silent neurons cost nothing here
+        g->rows[g->n] = row;
+        g->a[g->n++]  = a;
     }
 }
 
-static inline void axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32) {
+static inline void axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32,
+                              const struct pi_next_rows * next) {
     if (g->n > 0) {
-        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32);
+        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32, next);
         g->n = 0;
     }
 }
@@ -266,14 +257,17 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     const size_t slice_off = ggml_row_size(wt->type, c0), slice_bytes = ggml_row_size(wt->type, len);
     for (int64_t t = 0; t < n_tok; ++t) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
-        struct axpy_group g = { .n = 0 };
-        for (int32_t k = 0; k < n_active; ++k) {
-            const int64_t i = idx[1 + k];
-            prefetch_rows(wt, idx, k, n_active, slice_off, slice_bytes);
-            const float a = *(const float *) ((const char *) h->data + i * h->nb[0] + t * h->nb[1]);
-            axpy_push(&g, (const char *) wt->data + (size_t) i * wt->nb[1] + slice_off, a, wt->type, len, out, row);
+        struct pi_next_rows cur = next_rows(wt, idx, 0, n_active, slice_off, slice_bytes);
+        for (int j = 0; j < cur.k; ++j) pi_prefetch(cur.rows[j], cur.bytes);
+        for (int32_t k = 0; k < n_active; k += PI_ROWS_MAX) {
+            const struct pi_next_rows nxt = next_rows(wt, idx, k + PI_ROWS_MAX, n_active, slice_off, slice_bytes);
+            struct axpy_group g = { .n = 0 };
+            for (int j = 0; j < cur.k; ++j) {
+                axpy_push(&g, cur.rows[j], *(const float *) ((const char *) h->data + (size_t) idx[1 + k + j] * h->nb[0] + t * h->nb[1]));
+            }
+            axpy_flush(&g, wt->type, len, out, row, &nxt);
+            cur = nxt;
         }
-        axpy_flush(&g, wt->type, len, out, row);
     }
 }
 
@@ -366,23 +360,30 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
         float * part = (float *) ((char *) dst->data + (size_t) c * dst->nb[2]);
         memset(part, 0, (size_t) n_tok * dst->nb[1]);
         const int32_t k_lo = c * chunk, k_hi = k_lo + chunk < n_active ? k_lo + chunk : n_active;
+        // Each group of PI_ROWS_MAX neurons prefetches the next group's rows as it goes:
+        // the up rows during the up products, the gate rows during the gate products, the
+        // down rows during the AXPY (the chunk's first group: at once).
+        struct pi_next_rows up_cur = next_rows(up, idx, k_lo, k_hi, 0, 0), wt_cur = next_rows(wt, idx, k_lo, k_hi, 0, 0);
+        struct pi_next_rows gate_cur = gate ? next_rows(gate, idx, k_lo, k_hi, 0, 0) : (struct pi_next_rows) { .k = 0 };
+        for (int j = 0; j < up_cur.k; ++j) {
+            pi_prefetch(up_cur.rows[j], up_cur.bytes);
+            if (gate) pi_prefetch(gate_cur.rows[j], gate_cur.bytes);
+            pi_prefetch(wt_cur.rows[j], wt_cur.bytes);
+        }
         for (int32_t k = k_lo; k < k_hi; k += PI_ROWS_MAX) {
-            const int kn = k_hi - k < PI_ROWS_MAX ? k_hi - k : PI_ROWS_MAX;
-            const void * up_rows[PI_ROWS_MAX], * gate_rows[PI_ROWS_MAX], * down_rows[PI_ROWS_MAX];
-            for (int j = 0; j < kn; ++j) {
-                const size_t i = (size_t) idx[1 + k + j];
-                prefetch_rows(up, idx, k + j, k_hi, 0, 0);
-                if (gate) prefetch_rows(gate, idx, k + j, k_hi, 0, 0);
-                prefetch_rows(wt, idx, k + j, k_hi, 0, 0);
-                up_rows[j]   = (const char *) up->data + i * up->nb[1];
-                gate_rows[j] = gate ? (const char *) gate->data + i * gate->nb[1] : NULL;
-                down_rows[j] = (const char *) wt->data + i * wt->nb[1];
-            }
+            const int kn = up_cur.k;
+            const struct pi_next_rows up_nxt = next_rows(up, idx, k + PI_ROWS_MAX, k_hi, 0, 0);
+            const struct pi_next_rows wt_nxt = next_rows(wt, idx, k + PI_ROWS_MAX, k_hi, 0, 0);
+            const struct pi_next_rows gate_nxt = gate ? next_rows(gate, idx, k + PI_ROWS_MAX, k_hi, 0, 0)
+                                                      : (struct pi_next_rows) { .k = 0 };
             for (int64_t t = 0; t < n_tok; ++t) {
+                const bool last = t == n_tok - 1;  // the prefetches go with the last token's pass
                 float u[PI_ROWS_MAX], g[PI_ROWS_MAX] = { 0 };
-                pi_rows_dot(up->type, up->ne[0], up_rows, kn, (const char *) xq->data + t * xq->nb[1], u);
+                pi_rows_dot(up->type, up->ne[0], up_cur.rows, kn, (const char *) xq->data + t * xq->nb[1], u,
+                            last ? &up_nxt : NULL);
                 if (gate) {
-                    pi_rows_dot(gate->type, gate->ne[0], gate_rows, kn, (const char *) xg->data + t * xg->nb[1], g);
+                    pi_rows_dot(gate->type, gate->ne[0], gate_cur.rows, kn, (const char *) xg->data + t * xg->nb[1], g,
+                                last ? &gate_nxt : NULL);
                 }
                 float * out = (float *) ((char *) part + t * dst->nb[1]);
                 struct axpy_group grp = { .n = 0 };
@@ -390,10 +391,16 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
                     if (a) {
                         g[j] = *(const float *) ((const char *) a->data + (size_t) idx[1 + k + j] * a->nb[0] + t * a->nb[1]);
                     }
-                    axpy_push(&grp, down_rows[j], ffn_h(cfg, g[j], u[j]), wt->type, n_embd, out, row);
+                    axpy_push(&grp, wt_cur.rows[j], ffn_h(cfg, g[j], u[j]));
                 }
-                axpy_flush(&grp, wt->type, n_embd, out, row);
+                if (grp.n == 0 && last) {
+                    for (int j = 0; j < wt_nxt.k; ++j) pi_prefetch(wt_nxt.rows[j], wt_nxt.bytes);
+                }
+                axpy_flush(&grp, wt->type, n_embd, out, row, last ? &wt_nxt : NULL);
             }
+            up_cur = up_nxt;
+            gate_cur = gate_nxt;
+            wt_cur = wt_nxt;
         }
     }
     if (__atomic_add_fetch(finished, 1, __ATOMIC_ACQ_REL) == nth) {
