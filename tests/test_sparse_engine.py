@@ -364,3 +364,26 @@ def test_bench_sparse_runs_interleaved(tiny, capsys):
         assert f"| {mode} |" in out
     assert len(re.findall(r"\d+\.\d\dx \|", out)) == 3 * 2 + 2 * 2  # decode ideal and achieved, prompt ratios
     assert "| llama-cpp-python |" in out and "| powerinfer predictor |" in out
+
+
+def test_synthetic_generator_parameters(tmp_path):
+    """The generator's knobs (firing law, predictor rank and type) reach the files, and the
+    noisier, larger predictor still runs: a second, differently made model for the benchmarks."""
+    import json
+    from dataclasses import replace
+
+    from powerinfer_py.formats.gguf_io import open_gguf
+
+    spec = replace(PRESETS["tiny-q8"], name="tiny-b", pred_rank=128, pred_type="Q4_0", power=1.5, active_frac=0.06, seed=3)
+    paths = generate(spec, tmp_path, progress=False)
+    tensors = {t.name: t for t in open_gguf(paths["powerinfer"]).tensors}
+    assert tensors["blk.0.fc1.weight"].tensor_type.name == "Q4_0"
+    assert [int(x) for x in tensors["blk.0.fc1.weight"].shape] == [128, 128]  # ggml order: [n_embd, rank]
+    assert [int(x) for x in tensors["blk.0.fc2.weight"].shape] == [128, 384]  # [rank, n_ff]
+    planted = json.loads(open(paths["stats"]).read())["layers"]
+    assert all(abs(layer["planted_active_frac"] - 0.06) < 0.005 for layer in planted)
+    with Llama(paths["powerinfer"], n_ctx=128, n_threads=2, verbose=False, sparse_mode="predictor") as llm:
+        llm.create_completion("the cat sat on", max_tokens=8, temperature=0)
+        assert 0.0 < llm.sparse_stats()["active"] < 0.3
+    with pytest.raises(ValueError, match="pred_rank"):
+        generate(replace(spec, pred_rank=40), tmp_path / "bad", progress=False)

@@ -23,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -52,6 +52,10 @@ class SyntheticSpec:
     embd_const: float = 0.0  # 0: chosen so channel 0 is ~half the embedding's RMS energy
     activation: str = "relu"  # written as powerinfer.ffn_activation
     arch: str = "llama"  # general.architecture: llama, or bamboo (PowerInfer's dReLU llama)
+    pred_rank: int = 0  # predictor rank; 0: the exact one's, 2 * (gate_rank + 1) in whole 32s. Larger
+                        # ranks add units of noise (their own random fc1 rows and small fc2 weights)
+    pred_type: str = ""  # the predictor's quantization type (F32, F16, Q8_0, Q4_0); "": wtype
+    pred_noise: float = 0.02  # the extra units' fc2 weights, relative to the exact units' RMS
 
 
 PRESETS: Dict[str, SyntheticSpec] = {
@@ -64,6 +68,11 @@ PRESETS: Dict[str, SyntheticSpec] = {
                            wtype="Q4_0"),
     "7b": SyntheticSpec("relu-7b-shaped", n_embd=4096, n_ff=11008, n_layer=32, n_head=32, n_head_kv=32, gate_rank=127,
                         wtype="Q4_0", n_ctx=4096),
+    # A second 7B shape made differently: a steeper firing law over fewer active neurons, a
+    # larger, noisier Q8_0 predictor (like a trained rank-512 one), another seed.
+    "7b-b": SyntheticSpec("relu-7b-shaped-b", n_embd=4096, n_ff=11008, n_layer=32, n_head=32, n_head_kv=32, gate_rank=95,
+                          wtype="Q4_0", n_ctx=4096, active_frac=0.08, power=1.4, seed=7, pred_rank=512,
+                          pred_type="Q8_0"),
 }
 
 
@@ -166,12 +175,21 @@ class _Layer:
         # Exact predictor of sign(gate . (g * x_res)): W' = gate diag(g) = U (V diag g) + (-b)(g0 e0^T).
         a = np.concatenate([v * ffn_norm[None, :], (ffn_norm[0] * np.eye(1, e, 0)).astype(np.float32)], axis=0)
         bmat = np.concatenate([u, -b[:, None]], axis=1).astype(np.float32)
-        # Rank 2(r+1), padded with zero units to whole quantization blocks.
-        rank = -(-2 * a.shape[0] // 32) * 32
+        # Rank 2(r+1), padded with zero units to whole quantization blocks; a larger
+        # pred_rank adds noise units: random fc1 rows, small random fc2 weights.
+        exact = 2 * a.shape[0]
+        rank = max(-(-exact // 32) * 32, spec.pred_rank)
+        if rank % 32 or (spec.pred_rank and spec.pred_rank < exact):
+            raise ValueError(f"pred_rank {spec.pred_rank} must be a multiple of 32 and at least {exact}")
         self.fc1 = np.zeros((rank, e), dtype=np.float32)
-        self.fc1[: 2 * a.shape[0]] = np.concatenate([a, -a], axis=0)
+        self.fc1[:exact] = np.concatenate([a, -a], axis=0)
         self.fc2 = np.zeros((f, rank), dtype=np.float32)
-        self.fc2[:, : 2 * a.shape[0]] = np.concatenate([bmat, -bmat], axis=1)
+        self.fc2[:, :exact] = np.concatenate([bmat, -bmat], axis=1)
+        n_noise = rank - -(-exact // 32) * 32
+        if n_noise > 0:
+            fc2_rms = float(np.sqrt(np.mean(self.fc2[:, :exact] ** 2)))
+            self.fc1[rank - n_noise :] = rng.standard_normal((n_noise, e)).astype(np.float32) * s
+            self.fc2[:, rank - n_noise :] = rng.standard_normal((f, n_noise)).astype(np.float32) * fc2_rms * spec.pred_noise
 
 
 def _finish(writers, paths: Dict[str, str], progress: bool, name: str) -> None:
@@ -221,8 +239,8 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
         _add_vocab(w, unk=True)
         writers[kind] = w
 
-    def add(name, arr, kinds=("dense", "powerinfer"), quantize=True):
-        data, raw = _quant(arr, spec.wtype) if quantize else (arr.astype(np.float32), None)
+    def add(name, arr, kinds=("dense", "powerinfer"), quantize=True, wtype=spec.wtype):
+        data, raw = _quant(arr, wtype) if quantize else (arr.astype(np.float32), None)
         for k in kinds:
             if raw is None:
                 writers[k].add_tensor(name, data)
@@ -246,8 +264,8 @@ def generate(spec: SyntheticSpec, out_dir: os.PathLike, progress: bool = True) -
         add(f"blk.{il}.ffn_up.weight", layer.up)
         add(f"blk.{il}.ffn_down.weight", layer.down, kinds=("dense",))
         add(f"blk.{il}.ffn_down_t.weight", np.ascontiguousarray(layer.down.T), kinds=("powerinfer",))
-        add(f"blk.{il}.fc1.weight", layer.fc1, kinds=("powerinfer",))
-        add(f"blk.{il}.fc2.weight", layer.fc2, kinds=("powerinfer",))
+        add(f"blk.{il}.fc1.weight", layer.fc1, kinds=("powerinfer",), wtype=spec.pred_type or spec.wtype)
+        add(f"blk.{il}.fc2.weight", layer.fc2, kinds=("powerinfer",), wtype=spec.pred_type or spec.wtype)
         # Expected activation counts over STATS_TOKENS tokens (the planted firing
         # probabilities), as `powerinfer profile` would record them: hybrid placement input.
         add(f"blk.{il}.ffn_act_count", (layer.p_fire * STATS_TOKENS).astype(np.float32), kinds=("powerinfer",),
@@ -336,11 +354,26 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--name", help="file name stem (default: the preset's)")
+    ap.add_argument("--active-frac", type=float, help="mean share of neurons firing per token")
+    ap.add_argument("--power", type=float, help="firing law: neuron of rank k fires with probability ~ (k + 1)^-power")
+    ap.add_argument("--pred-rank", type=int, help="predictor rank (a multiple of 32, at least the exact predictor's)")
+    ap.add_argument("--pred-type", choices=("F32", "F16", "Q8_0", "Q4_0"), help="the predictor's type")
+    ap.add_argument("--wtype", choices=("F32", "F16", "Q8_0", "Q4_0"), help="the other 2-D weights' type")
     args = ap.parse_args(argv)
-    spec = PRESETS[args.preset]
-    if args.seed is not None:
-        spec.seed = args.seed
-    paths = generate(spec, args.out)
+    spec = replace(PRESETS[args.preset])
+    for field, value in (("seed", args.seed), ("name", args.name), ("active_frac", args.active_frac),
+                         ("power", args.power), ("pred_rank", args.pred_rank), ("pred_type", args.pred_type),
+                         ("wtype", args.wtype)):
+        if value is not None:
+            setattr(spec, field, value)
+    if not 0.0 < spec.active_frac < 0.95 or spec.power < 0 or spec.pred_rank < 0:
+        ap.error("--active-frac must be in (0, 0.95), --power and --pred-rank >= 0")
+    try:
+        paths = generate(spec, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(paths, indent=1))
     return 0
 
