@@ -76,14 +76,23 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse);
 
+// w . x for a predictor matrix: through its packed copy while w is the file's (host)
+// tensor, else (placed on a device by hybrid placement) ggml's matmul.
+static struct ggml_tensor * predictor_mul(struct ggml_context * ctx, const struct powerinfer_model * model, struct ggml_tensor * w,
+                                          struct ggml_tensor * w_p, struct ggml_tensor * x) {
+    return w_p && w->buffer == model->buf_weights ? pi_packed_matmul(ctx, w_p, x) : ggml_mul_mat(ctx, w, x);
+}
+
+// logit = fc2 . relu(fc1 . x_res): the predictor's score of every neuron; [n_ff, T].
+static struct ggml_tensor * predictor_logits(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                             const struct pi_layer * l, struct ggml_tensor * x_res) {
+    return predictor_mul(ctx, model, l->fc2, l->fc2_p, ggml_relu(ctx, predictor_mul(ctx, model, l->fc1, l->fc1_p, x_res)));
+}
+
 // Gate mode's activity score: act(gate) itself for ReLU-family activations, else |act(gate)|.
 static struct ggml_tensor * gate_score(struct ggml_context * ctx, enum pi_ffn_act act, struct ggml_tensor * a) {
     return pi_act_is_relu(act) ? a : ggml_abs(ctx, a);
 }
-
-// Batches up to this size take the fused sparse operator (its partial sums grow with the
-// batch); larger ones (hybrid placement's CPU side during prompts) the separate operators.
-#define PI_FUSED_MAX_TOKENS 8
 
 // The FFN over the neurons in idx, through down: with the gate's activation `a` already
 // computed densely (gate mode), h = a * f(up rows); else act over the gate and up rows.
@@ -96,7 +105,9 @@ static struct ggml_tensor * build_sparse_rows(struct ggml_context * ctx, const s
         const enum ggml_type t = ggml_get_type_traits_cpu(gate->type)->vec_dot_type;
         xg = t == xq->type ? xq : pi_convert_rows(ctx, x, t);
     }
-    if (x->ne[1] <= PI_FUSED_MAX_TOKENS) {
+    // Batches up to PI_FFN_MAX_TOKENS take the fused operator; larger ones (hybrid
+    // placement's CPU side during prompts) the separate operators.
+    if (x->ne[1] <= PI_FFN_MAX_TOKENS) {
         return pi_sparse_ffn(ctx, l->ffn_up, gate, a, l->ffn_down_t, xq, xg, idx, act);
     }
     struct ggml_tensor * up = pi_sparse_matvec(ctx, l->ffn_up, xq, idx);
@@ -126,7 +137,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     }
     if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
         // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i > tau.
-        struct ggml_tensor * logit = ggml_mul_mat(ctx, l->fc2, ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)));
+        struct ggml_tensor * logit = predictor_logits(ctx, model, l, x_res);
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, stat));
     }
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
@@ -165,7 +176,7 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
     const int64_t         n_ff = model->hp.n_ff;
     const float           tau  = stat->threshold;
 
-    struct ggml_tensor * pre = pred ? ggml_relu(ctx, ggml_mul_mat(ctx, l->fc1, x_res)) : NULL;  // [r, T]
+    struct ggml_tensor * pre = pred ? ggml_relu(ctx, predictor_mul(ctx, model, l->fc1, l->fc1_p, x_res)) : NULL;  // [r, T]
 
     // Device side.
     struct ggml_tensor * out_dev = NULL;
@@ -192,7 +203,7 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
     if (!sparse) {
         idx = pi_cold_index(ctx, a ? a : x, n_ff, stat);
     } else if (pred) {
-        idx = pi_active_index(ctx, ggml_mul_mat(ctx, l->fc2, pre), stat);
+        idx = pi_active_index(ctx, predictor_mul(ctx, model, l->fc2, l->fc2_p, pre), stat);
     } else {
         idx = pi_active_index(ctx, gate_score(ctx, act, a), stat);
     }

@@ -461,6 +461,7 @@ float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, i
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.
 static int32_t repack_dense_weights(struct powerinfer_model * model) {
     const int32_t per_layer = 10;
+    const bool packed_pred = pi_predictors_packable(model);  // packed instead (pi_pack_predictors)
     struct ggml_tensor *** w = malloc(sizeof(*w) * ((size_t) per_layer * model->hp.n_layer + 1));
     if (!w) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
@@ -473,7 +474,7 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
         w[n++] = &l->wk;
         w[n++] = &l->wv;
         w[n++] = &l->wo;
-        if (l->fc1) { w[n++] = &l->fc1; w[n++] = &l->fc2; }
+        if (l->fc1 && !packed_pred) { w[n++] = &l->fc1; w[n++] = &l->fc2; }
         // Rows the sparse operators read one by one stay in the plain mapping.
         const int32_t mode = model->hp.sparse_mode;
         if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) w[n++] = &l->ffn_gate;
@@ -532,7 +533,7 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
              resolve_sparse_mode(model) == POWERINFER_OK;
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
         ok = ok && (!params.batch_weights || pi_make_batch_weights(model, params.use_repack) == POWERINFER_OK);
-        ok = ok && pi_make_row_copies(model) == POWERINFER_OK;
+        ok = ok && pi_make_row_copies(model) == POWERINFER_OK && pi_pack_predictors(model) == POWERINFER_OK;
     }
     ok = ok && pi_vocab_load(model) == POWERINFER_OK;
     if (!ok) {

@@ -537,6 +537,18 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
         return rc;
     }
     free(items);
+    // A predictor now on the device is not read from its packed host copy any more.
+    for (int32_t il = 0; il < n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        struct ggml_tensor ** p[2] = { &l->fc1_p, &l->fc2_p };
+        const struct ggml_tensor * w[2] = { l->fc1, l->fc2 };
+        for (int k = 0; k < 2; ++k) {
+            if (*p[k] && w[k]->buffer != model->buf_weights) {
+                pi_release_pages((*p[k])->data, ggml_nbytes(*p[k]));
+                *p[k] = NULL;
+            }
+        }
+    }
     int64_t n_hot = 0;
     for (int32_t il = 0; il < n_layer; ++il) n_hot += model->offload.layers[il].n_hot;
     pi_log(POWERINFER_LOG_INFO,

@@ -67,6 +67,8 @@ struct pi_layer {
     struct ggml_tensor * ffn_down;         // optional when ffn_down_t is present
     struct ggml_tensor * ffn_down_t;       // [n_embd, n_ff]: row i = neuron i's output weights
     struct ggml_tensor * fc1, * fc2;       // predictor: [n_embd, r], [r, n_ff]
+    struct ggml_tensor * fc1_p, * fc2_p;   // the predictor packed for packed_matmul.c (repack.c); used while
+                                           // fc1/fc2 are the file's, NULL when not packed
     // Batch copies (repack.c), used by batches larger than the sparse path takes; NULL
     // when the tensors above serve batches as they are.
     struct ggml_tensor * ffn_gate_b, * ffn_up_b; // repacked copies of rows the sparse path reads
@@ -251,6 +253,9 @@ int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked);
 // Moves the rows the sparse path reads (ffn_up, ffn_down_t, ffn_gate in predictor mode) out
 // of the file's mapping into one anonymous region; see repack.c.
 int32_t pi_make_row_copies(struct powerinfer_model * model);
+// Whether the predictor of this model gets packed (pi_pack_predictors), and packs it.
+bool    pi_predictors_packable(const struct powerinfer_model * model);
+int32_t pi_pack_predictors(struct powerinfer_model * model);
 void    pi_free_row_copies(struct powerinfer_model * model);
 void    pi_repack_free(struct powerinfer_model * model);
 

@@ -169,13 +169,13 @@ void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int 
 #define PI_AXPY_SIMD 1
 
 static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
-                           struct prefetcher * pf) {
+                           struct prefetcher * pf, bool init) {
     // vpermps looks the nibble up in [-8 .. 7]: the dequantized integer as a float.
     const __m512  lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i m   = _mm512_set1_epi32(0x0F);
     for (int64_t b = 0; b < nb; ++b, out += PI_QK) {
         pf_step(pf, b);
-        __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
+        __m512 o0 = init ? _mm512_setzero_ps() : _mm512_loadu_ps(out), o1 = init ? _mm512_setzero_ps() : _mm512_loadu_ps(out + 16);
         for (int j = 0; j < k; ++j) {
             const struct pi_block_q4_0 * blk = (const struct pi_block_q4_0 *) rows[j] + b;
             const __m512  s  = _mm512_set1_ps(a[j] * fp16_to_fp32(blk->d));
@@ -189,10 +189,10 @@ static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * 
 }
 
 static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
-                           struct prefetcher * pf) {
+                           struct prefetcher * pf, bool init) {
     for (int64_t b = 0; b < nb; ++b, out += PI_QK) {
         pf_step(pf, b);
-        __m512 o0 = _mm512_loadu_ps(out), o1 = _mm512_loadu_ps(out + 16);
+        __m512 o0 = init ? _mm512_setzero_ps() : _mm512_loadu_ps(out), o1 = init ? _mm512_setzero_ps() : _mm512_loadu_ps(out + 16);
         for (int j = 0; j < k; ++j) {
             const struct pi_block_q8_0 * blk = (const struct pi_block_q8_0 *) rows[j] + b;
             const __m512 s = _mm512_set1_ps(a[j] * fp16_to_fp32(blk->d));
@@ -207,8 +207,9 @@ static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * 
 }
 #else
 static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
-                           struct prefetcher * pf) {
+                           struct prefetcher * pf, bool init) {
     pf_rest(pf);
+    if (init) memset(out, 0, sizeof(float) * (size_t) nb * PI_QK);
     for (int j = 0; j < k; ++j) {
         const struct pi_block_q4_0 * blk = rows[j];
         for (int64_t b = 0; b < nb; ++b) {
@@ -223,8 +224,9 @@ static void axpy_rows_q4_0(int64_t nb, const void * const * rows, const float * 
 }
 
 static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * a, int k, float * out,
-                           struct prefetcher * pf) {
+                           struct prefetcher * pf, bool init) {
     pf_rest(pf);
+    if (init) memset(out, 0, sizeof(float) * (size_t) nb * PI_QK);
     for (int j = 0; j < k; ++j) {
         const struct pi_block_q8_0 * blk = rows[j];
         for (int64_t b = 0; b < nb; ++b) {
@@ -239,15 +241,16 @@ static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * 
 #endif
 
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32, const struct pi_next_rows * next) {
+                  float * row_f32, const struct pi_next_rows * next, bool init) {
     struct prefetcher pf;
     if (blocks_match(type)) {
         pf_init(&pf, next, n / PI_QK);
-        (type == GGML_TYPE_Q4_0 ? axpy_rows_q4_0 : axpy_rows_q8_0)(n / PI_QK, rows, a, k, out, &pf);
+        (type == GGML_TYPE_Q4_0 ? axpy_rows_q4_0 : axpy_rows_q8_0)(n / PI_QK, rows, a, k, out, &pf, init);
         return;
     }
     pf_init(&pf, next, 1);
     pf_rest(&pf);
+    if (init) memset(out, 0, sizeof(float) * (size_t) n);
     ggml_to_float_t to_float = type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(type)->to_float;
     for (int j = 0; j < k; ++j) {
         const float * w = rows[j];

@@ -7,6 +7,7 @@
 
 #include "ggml.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -36,5 +37,6 @@ void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int 
 // step a fused multiply-add of the dequantized weight (so the result does not depend on
 // how rows are grouped into calls). rows point at n elements of `type` (n a multiple of
 // its block size); row_f32: scratch of n floats, used by types without a fused kernel.
+// init: out holds nothing yet; the sums start from 0 (as if out were zeroed first).
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32, const struct pi_next_rows * next);
+                  float * row_f32, const struct pi_next_rows * next, bool init);

@@ -224,12 +224,16 @@ static inline void axpy_push(struct axpy_group * g, const void * row, float a) {
     }
 }
 
-static inline void axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32,
-                              const struct pi_next_rows * next) {
-    if (g->n > 0) {
-        pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32, next);
-        g->n = 0;
+// Returns whether out was written (so the caller knows when out is still uninitialized:
+// `init` asks the first call into out to start from 0 instead of reading it).
+static inline bool axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32,
+                              const struct pi_next_rows * next, bool init) {
+    if (g->n == 0) {
+        return false;
     }
+    pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32, next, init);
+    g->n = 0;
+    return true;
 }
 
 static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -265,7 +269,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
             for (int j = 0; j < cur.k; ++j) {
                 axpy_push(&g, cur.rows[j], *(const float *) ((const char *) h->data + (size_t) idx[1 + k + j] * h->nb[0] + t * h->nb[1]));
             }
-            axpy_flush(&g, wt->type, len, out, row, &nxt);
+            axpy_flush(&g, wt->type, len, out, row, &nxt, false);
             cur = nxt;
         }
     }
@@ -289,7 +293,7 @@ struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tenso
 // the thread count); each chunk sums into its own partial in list order and a second op
 // adds the partials in chunk order, so results do not depend on the number of threads.
 
-#define PI_FFN_MIN_CHUNK  32
+#define PI_FFN_MIN_CHUNK  64
 #define PI_FFN_MAX_CHUNKS 64
 
 // Neurons per chunk for n_active active neurons (>= 1).
@@ -358,7 +362,7 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
     for (int32_t c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); c < n_chunks;
          c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED)) {
         float * part = (float *) ((char *) dst->data + (size_t) c * dst->nb[2]);
-        memset(part, 0, (size_t) n_tok * dst->nb[1]);
+        bool written[PI_FFN_MAX_TOKENS] = { false };  // the first AXPY into a token's partial starts it from 0
         const int32_t k_lo = c * chunk, k_hi = k_lo + chunk < n_active ? k_lo + chunk : n_active;
         // Each group of PI_ROWS_MAX neurons prefetches the next group's rows as it goes:
         // the up rows during the up products, the gate rows during the gate products, the
@@ -396,11 +400,14 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
                 if (grp.n == 0 && last) {
                     for (int j = 0; j < wt_nxt.k; ++j) pi_prefetch(wt_nxt.rows[j], wt_nxt.bytes);
                 }
-                axpy_flush(&grp, wt->type, n_embd, out, row, last ? &wt_nxt : NULL);
+                written[t] |= axpy_flush(&grp, wt->type, n_embd, out, row, last ? &wt_nxt : NULL, !written[t]);
             }
             up_cur = up_nxt;
             gate_cur = gate_nxt;
             wt_cur = wt_nxt;
+        }
+        for (int64_t t = 0; t < n_tok; ++t) {
+            if (!written[t]) memset((char *) part + t * dst->nb[1], 0, (size_t) n_embd * sizeof(float));
         }
     }
     if (__atomic_add_fetch(finished, 1, __ATOMIC_ACQ_REL) == nth) {
@@ -450,6 +457,7 @@ struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor
     GGML_ASSERT(!a || (a->type == GGML_TYPE_F32 && a->ne[0] == n_ff && a->ne[1] == n_tok));
     GGML_ASSERT(down_t->ne[0] == n_embd && down_t->ne[1] == n_ff && n_embd % ggml_blck_size(down_t->type) == 0);
     GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == n_ff + PI_INDEX_EXTRA);
+    GGML_ASSERT(n_tok <= PI_FFN_MAX_TOKENS);
     const struct pi_ffn_cfg * cfg = &g_ffn_cfgs[act][gate ? 1 : a ? 2 : 0];
     struct ggml_tensor * args[7];
     int n = 0;

@@ -66,6 +66,9 @@ struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_ten
 struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
                                     struct ggml_tensor * idx);
 
+// The largest batch pi_sparse_ffn takes (its partial sums grow with the batch).
+#define PI_FFN_MAX_TOKENS 8
+
 // The FFN of the active neurons, fused: for each active neuron i (idx as above) and
 // token t, h = act(gate_i . x_t) * f(up_i . x_t) (f = relu for dReLU, identity else),
 // or a[i, t] * f(up_i . x_t) when the activation a (F32 [n_ff, T], gate mode) is given,
