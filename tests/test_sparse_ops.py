@@ -24,6 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "build" / "bin" / "test-sparse-ops"
+# The same operators built for a baseline x86-64 CPU: their portable paths (x86 builds only).
+PORTABLE = ROOT / "build" / "bin" / "test-sparse-ops-portable"
+DRIVERS = [DRIVER] + ([PORTABLE] if PORTABLE.exists() else [])
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_K", "q6_K"]
 K_QUANTS = {"q4_K", "q6_K"}
@@ -46,7 +49,7 @@ def _input_error_bound(x: np.ndarray, wtype: str) -> np.ndarray:
     return np.broadcast_to(d * slack, x.reshape(x.shape[0], -1, block).shape).reshape(x.shape)
 
 
-def _run(tmp_path, wtype, threads, w, x, h, active):
+def _run(tmp_path, wtype, threads, w, x, h, active, driver=DRIVER):
     n_ff, n_embd = w.shape
     n_tok = x.shape[0]
     src = tmp_path / f"in-{wtype}-{threads}.bin"
@@ -58,14 +61,17 @@ def _run(tmp_path, wtype, threads, w, x, h, active):
         f.write(h.astype("<f4").tobytes())
         f.write(struct.pack("<i", len(active)))
         f.write(np.asarray(active, dtype="<i4").tobytes())
-    subprocess.run([str(DRIVER), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
+    subprocess.run([str(driver), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
     out = np.fromfile(dst, dtype="<f4")
-    sizes = [n_ff * n_embd, n_tok * n_ff, n_tok * n_embd, n_tok * n_embd if n_tok <= 8 else 0, n_tok * n_ff]
+    exact = wtype in ("q4_0", "q8_0")
+    sizes = [n_ff * n_embd, n_tok * n_ff, n_tok * n_embd, n_tok * n_embd if n_tok <= 8 else 0, n_tok * n_ff,
+             n_tok * n_ff if exact else 0]
     parts = np.split(out, np.cumsum(sizes)[:-1])
     assert sum(sizes) == out.size
     wd, up, down = parts[0].reshape(n_ff, n_embd), parts[1].reshape(n_tok, n_ff), parts[2].reshape(n_tok, n_embd)
     _run.fused = parts[3].reshape(n_tok, n_embd) if sizes[3] else None
     _run.packed = parts[4].reshape(n_tok, n_ff)
+    _run.exact = parts[5].reshape(n_tok, n_ff) if exact else None
     return wd, up, down
 
 
@@ -79,11 +85,12 @@ def _problem(seed, n_embd=512, n_ff=384, n_tok=3, frac_active=0.15):
     return w, x, h, active
 
 
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
 @pytest.mark.parametrize("n_tok", [1, 3])  # one token: the fused Q4_0/Q8_0 AXPY kernels
 @pytest.mark.parametrize("wtype", TYPES)
-def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok):
+def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok, driver):
     w, x, h, active = _problem(seed=TYPES.index(wtype), n_tok=n_tok)
-    wd, up, down = _run(tmp_path, wtype, 2, w, x, h, active)
+    wd, up, down = _run(tmp_path, wtype, 2, w, x, h, active, driver)
     wd64, x64, h64 = wd.astype(np.float64), x.astype(np.float64), h.astype(np.float64)
 
     inactive = np.setdiff1d(np.arange(w.shape[0]), active)
@@ -104,14 +111,15 @@ def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok):
     assert np.all(np.abs(down - ref_down) <= bound_down)
 
 
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
 @pytest.mark.parametrize("n_tok", [1, 3])
 @pytest.mark.parametrize("wtype", ["f32", "q8_0", "q4_0", "q4_K"])
-def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok):
+def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok, driver):
     """pi_sparse_ffn with W as gate, up and ffn_down_t and ReLU: h_i = relu(g_i) * g_i with
     g_i = W_i . x for the active i, then sum_i h_i W_i. Bound: the matvec's bound on g (as
     above) carried through h (|dh| <= |dg| (2|g| + |dg|)), then the AXPY's accumulation."""
     w, x, h, active = _problem(seed=11 + TYPES.index(wtype), n_tok=n_tok)
-    wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active)
+    wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active, driver)
     fused = _run.fused
     wd64, x64 = wd.astype(np.float64), x.astype(np.float64)
     g = x64 @ wd64[active].T
@@ -128,18 +136,35 @@ def _q8_0_error_bound(a: np.ndarray) -> np.ndarray:
     return _input_error_bound(a.reshape(-1, a.shape[-1]), "q8_0").reshape(a.shape)
 
 
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
 @pytest.mark.parametrize("n_tok", [1, 3, 9])
-def test_packed_matmul_matches_numpy(tmp_path, n_tok):
+def test_packed_matmul_matches_numpy(tmp_path, n_tok, driver):
     """The Q8_0x16 matmul (packed_matmul.c): float W packed (quantized to Q8_0 per 32
     elements of a row) times x (quantized the same way). Bound: both roundings,
     |dW| |x| + |W| |dx| + |dW| |dx| summed over the row, plus float32 accumulation."""
     w, x, h, active = _problem(seed=21, n_tok=n_tok)
-    _run(tmp_path, "f32", 2, w, x, h, active)
+    _run(tmp_path, "f32", 2, w, x, h, active, driver)
     w64, x64 = w.astype(np.float64), x.astype(np.float64)
     ref = x64 @ w64.T
     ew, ex = _q8_0_error_bound(w64), _q8_0_error_bound(x64)
     bound = ex @ np.abs(w64).T + np.abs(x64) @ ew.T + ex @ ew.T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
     diff = np.abs(_run.packed - ref)
+    assert np.all(diff <= bound), f"max excess {np.max(diff - bound):.3g}"
+    assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("n_tok", [1, 5])
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0"])
+def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
+    """Q4_0/Q8_0 weights packed exactly (the file's scales and integers): the packed matmul
+    is the quantized W times x with x converted to Q8_0, the matvec's bound above."""
+    w, x, h, active = _problem(seed=31 + n_tok, n_tok=n_tok)
+    wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active, driver)
+    wd64, x64 = wd.astype(np.float64), x.astype(np.float64)
+    ref = x64 @ wd64.T
+    bound = _input_error_bound(x64, wtype) @ np.abs(wd64).T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(wd64).T) + 1e-6
+    diff = np.abs(_run.exact - ref)
     assert np.all(diff <= bound), f"max excess {np.max(diff - bound):.3g}"
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
 

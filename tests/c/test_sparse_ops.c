@@ -8,7 +8,8 @@
 //        f32 down[n_tok][n_embd] (W used as ffn_down_t);
 //        f32 ffn[n_tok][n_embd]: the fused FFN with W as gate, up and ffn_down_t and ReLU
 //        (h_i = relu(W_i . x) * (W_i . x) for the active i);
-//        f32 packed[n_tok][n_ff]: the float W packed as Q8_0x16 (packed_matmul.h) times x
+//        f32 packed[n_tok][n_ff]: the float W packed as Q8_0x16 (packed_matmul.h) times x;
+//        for TYPE q4_0 and q8_0: f32 exact[n_tok][n_ff]: W as TYPE packed exactly, times x
 #include "packed_matmul.h"
 #include "sparse_ops.h"
 
@@ -91,11 +92,18 @@ int main(int argc, char ** argv) {
         pi_pack_q8_group_f32(w + r0 * n_embd, n_embd, r0, tp->data);
     }
     struct ggml_tensor * packed = pi_packed_matmul(ctx, tp, tx);
+    struct ggml_tensor * exact = NULL;
+    if (pi_pack_fits(type, n_embd, n_ff)) {
+        struct ggml_tensor * te = pi_pack_tensor(ctx, type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, n_ff, n_embd);
+        pi_pack_rows_exact(type, tw->data, tw->nb[1], n_embd, 0, n_ff, te->data);
+        exact = pi_packed_matmul(ctx, te, tx);
+    }
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, up);
     ggml_build_forward_expand(gf, down);
     if (ffn) ggml_build_forward_expand(gf, ffn);
     ggml_build_forward_expand(gf, packed);
+    if (exact) ggml_build_forward_expand(gf, exact);
     if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) != GGML_STATUS_SUCCESS) {
         return die("graph compute failed");
     }
@@ -115,6 +123,7 @@ int main(int argc, char ** argv) {
     fwrite(down->data, 1, ggml_nbytes(down), out);
     if (ffn) fwrite(ffn->data, 1, ggml_nbytes(ffn), out);
     fwrite(packed->data, 1, ggml_nbytes(packed), out);
+    if (exact) fwrite(exact->data, 1, ggml_nbytes(exact), out);
     fclose(out);
     free(wd); free(w); free(x); free(h);
     ggml_free(ctx);
