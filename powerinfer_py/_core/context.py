@@ -167,12 +167,13 @@ class Context(Handle):
             raise core_error("the engine cannot capture FFN activations", rc)
 
     def ffn_capture(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(x_res [T, n_embd], act [T, n_ff]) of `layer` for the T tokens of the last chunk, as views."""
+        """(x_res [T, n_embd], act [T, n_ff]) of `layer` for the T tokens of the last chunk, as
+        copies (views into the core's buffers would dangle once the context is closed)."""
         xp, ap = ffi.new("float **"), ffi.new("float **")
         t = lib.powerinfer_get_ffn_capture(self.ptr, layer, xp, ap)
         if t < 0:
             raise core_error(f"FFN capture of layer {layer}", t)
-        return _float_view(xp[0], t, self.n_embd), _float_view(ap[0], t, self.model.n_ff())
+        return _float_view(xp[0], t, self.n_embd).copy(), _float_view(ap[0], t, self.model.n_ff()).copy()
 
     # ---- hybrid placement ------------------------------------------------------------------------------
 
