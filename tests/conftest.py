@@ -7,6 +7,10 @@ instance is session-scoped and built once: loading is the slow part on 2 cores.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict
 
@@ -111,3 +115,52 @@ def cli_path() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} is not built (cmake -S . -B build && cmake --build build)")
     return path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m powerinfer_py.server --model PATH ...` in a child process on a free port of
+    127.0.0.1, up (its /health answers 200) when the `with` block starts, stopped after it."""
+
+    def __init__(self, model_path: str, *args: str, alias: str = "smollm2"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            sys.executable, "-m", "powerinfer_py.server", "--model", model_path,
+            "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", str(N_THREADS),
+            "--n_threads_batch", str(N_THREADS), "--model_alias", alias, "--verbose", "false", *args,
+        ]  # fmt: skip
+
+    def __enter__(self) -> "ServerProcess":
+        import httpx  # the server extra; imported here so that collection works without it
+
+        env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "HOST", "PORT", "MODEL")}
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        try:
+            while True:
+                assert self.proc.poll() is None, self.proc.stdout.read().decode(errors="replace")
+                assert time.monotonic() < deadline, "the server did not come up within 90 s"
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    time.sleep(0.2)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+        self.proc.stdout.close()

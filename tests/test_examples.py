@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import ast
 import os
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
 
-from conftest import N_THREADS, REPO_DIR
+from conftest import REPO_DIR, ServerProcess
 
 EXAMPLES = REPO_DIR / "examples"
 SIMPLE = REPO_DIR / "build" / "bin" / "simple"
@@ -67,47 +64,16 @@ def test_langchain_chain(smollm2_path):
     assert "Paris" in out, out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_openai_client(smollm2_path):
     pytest.importorskip("openai")
     pytest.importorskip("fastapi", reason="the server extra is not installed")
-    httpx = pytest.importorskip("httpx")
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "powerinfer_py.server", "--model", smollm2_path, "--host", "127.0.0.1",
-        "--port", str(port), "--n_ctx", "512", "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS),
-        "--model_alias", "smollm2", "--verbose", "false",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "HOST", "PORT", "MODEL")}
-    proc = subprocess.Popen(cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the server did not come up within 90 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        out = _example("openai_client.py", f"{url}/v1")
-        assert "server model: smollm2" in out
-        assert "completion: 5" in out, out
-        chat = next(line for line in out.splitlines() if line.startswith("chat: "))
-        assert chat[len("chat: "):].strip(), out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    pytest.importorskip("httpx")
+    with ServerProcess(smollm2_path, "--n_ctx", "512") as server:
+        out = _example("openai_client.py", f"{server.url}/v1")
+    assert "server model: smollm2" in out
+    assert "completion: 5" in out, out
+    chat = next(line for line in out.splitlines() if line.startswith("chat: "))
+    assert chat[len("chat: "):].strip(), out
 
 
 def test_relu_smollm2_walk(smollm2_path, tmp_path):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +31,7 @@ from powerinfer_py.server.__main__ import add_args_from_model, main as server_ma
 from powerinfer_py.server.app import create_app  # noqa: E402
 from powerinfer_py.server.settings import ModelSettings, ServerSettings, Settings  # noqa: E402
 
-from conftest import N_CTX, N_THREADS, REPO_DIR  # noqa: E402
+from conftest import N_CTX, N_THREADS, ServerProcess, free_port  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "repeat_penalty": 1.0}
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -57,12 +55,6 @@ def _settings(model_path: str, **overrides: Any) -> Settings:
 def _sse_data(text: str) -> List[str]:
     """The `data:` payloads of an SSE body, in order."""
     return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +81,7 @@ def live(smollm2_path):
 
     # Mean pooling: one embedding per input, as OpenAI clients expect.
     app = create_app(_settings(smollm2_path, pooling_type=1))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -534,39 +526,9 @@ def test_config_file(tmp_path, smollm2_path):
 
 
 def test_python_m_server_subprocess(smollm2_path):
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "powerinfer_py.server",
-        "--model", smollm2_path,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(N_CTX), "--n_threads", str(N_THREADS), "--n_threads_batch", str(N_THREADS),
-        "--vram-budget", "0",
-        "--model_alias", "smollm2",
-        "--verbose", "false",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "HOST", "PORT", "MODEL")}
-    proc = subprocess.Popen(cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
-            while True:
-                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-                assert time.monotonic() < deadline, "the server did not come up within 90 s"
-                try:
-                    if c.get("/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
+    with ServerProcess(smollm2_path, "--n_ctx", str(N_CTX), "--vram-budget", "0") as server:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
             assert c.get("/v1/models").json()["data"][0]["id"] == "smollm2"
             r = c.post("/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 4, **GREEDY})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        proc.stdout.close()
