@@ -124,3 +124,168 @@ def test_predictor_dir(tmp_path):
     pt_io.save({"fc1.weight": layers[0][0]}, tmp_path / "model_1.pt")
     with pytest.raises(ValueError, match="lacks fc2.weight"):
         pt_io.read_predictor_dir(tmp_path)
+
+
+# ---------------------------------------------------------------- crafted files (issue 12, item 4)
+# Small pickle writer for crafted tensors: the opcodes torch.save emits, with any offset,
+# size, stride and element count.
+
+def _pstr(s: str) -> bytes:
+    b = s.encode()
+    return b"X" + len(b).to_bytes(4, "little") + b
+
+
+def _pint(v: int) -> bytes:
+    b = v.to_bytes((v.bit_length() + 8) // 8 or 1, "little", signed=True)
+    return b"\x8a" + bytes([len(b)]) + b  # LONG1: any size
+
+
+def _ptuple(vals) -> bytes:
+    return b"(" + b"".join(_pint(v) for v in vals) + b"t"
+
+
+def _tensor_pickle(storage="FloatStorage", key="0", numel=4, offset=0, size=(4,), stride=(1,)) -> bytes:
+    return (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + b"(" + _pstr("storage") + b"ctorch\n"
+            + storage.encode() + b"\n" + _pstr(key) + _pstr("cpu") + _pint(numel) + b"tQ" + _pint(offset)
+            + _ptuple(size) + _ptuple(stride) + b"\x89" + b"ccollections\nOrderedDict\n)R" + b"tR.")
+
+
+def _pt(path, pkl: bytes, records=None, compress=zipfile.ZIP_STORED):
+    with zipfile.ZipFile(path, "w", compress) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        zf.writestr("archive/byteorder", "little")
+        for key, data in (records or {}).items():
+            zf.writestr(f"archive/data/{key}", data)
+    return path
+
+
+def test_tensor_pickle_helper_reads_back(tmp_path):
+    data = np.arange(6, dtype=np.float32)
+    p = _pt(tmp_path / "ok.pt", _tensor_pickle(numel=6, size=(2, 3), stride=(3, 1)), {"0": data.tobytes()})
+    np.testing.assert_array_equal(pt_io.load(p), data.reshape(2, 3))
+    p = _pt(tmp_path / "t.pt", _tensor_pickle(numel=6, offset=1, size=(2, 2), stride=(1, 2)), {"0": data.tobytes()})
+    np.testing.assert_array_equal(pt_io.load(p), [[1, 3], [2, 4]])  # a transposed view at an offset
+
+
+def test_build_cannot_poison_later_loads(tmp_path):
+    """A pickle BUILD on an allow-listed name is refused, and cannot change how the next file
+    is read (a 168-byte file used to rename FloatStorage to IntStorage for the whole process)."""
+    good = tmp_path / "good.pt"
+    pt_io.save(np.array([1.5, -2.0, 3.25], np.float32), good)
+    rename = b"\x80\x02ctorch\nFloatStorage\n}" + _pstr("name") + _pstr("IntStorage") + b"sb."
+    slot_state = b"\x80\x02ctorch\nFloatStorage\nN}" + _pstr("name") + _pstr("IntStorage") + b"s\x86b."
+    defaults = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}" + _pstr("__defaults__") + b"(\x88t" + b"s\x86b.")
+    od = b"\x80\x02ccollections\nOrderedDict\n}" + _pstr("x") + b"K\x01sb."
+    for i, pkl in enumerate([rename, slot_state, defaults, od]):
+        p = _pt(tmp_path / f"evil{i}.pt", pkl)
+        with pytest.raises(pt_io.PtFormatError, match=r"evil\d\.pt: .*refusing to set state"):
+            pt_io.load(p)
+        got = pt_io.load(good)
+        assert got.dtype == np.float32 and got.tolist() == [1.5, -2.0, 3.25]
+
+
+def test_each_load_has_its_own_globals(tmp_path):
+    """What find_class hands out is made per load: no object a pickle can name outlives it."""
+    seen = []
+    orig = pt_io._RestrictedUnpickler.find_class
+
+    def spy(self, module, name):
+        obj = orig(self, module, name)
+        seen.append(obj)
+        return obj
+
+    p = tmp_path / "a.pt"
+    pt_io.save({"w": np.ones(2, np.float32)}, p)
+    pt_io._RestrictedUnpickler.find_class = spy
+    try:
+        pt_io.load(p)
+        first = list(seen)
+        seen.clear()
+        pt_io.load(p)
+    finally:
+        pt_io._RestrictedUnpickler.find_class = orig
+    assert first and seen and not {id(o) for o in first} & {id(o) for o in seen}
+    for obj in first:
+        with pytest.raises(AttributeError):
+            obj.name = "IntStorage"
+        assert not hasattr(obj, "__dict__")
+
+
+@pytest.mark.parametrize("offset,size,stride,why", [
+    (0, (1 << 25,), (0,), "more than its storage"),  # stride 0: one float -> 128 MiB
+    (0, (1 << 20, 1 << 20), (0, 0), "more than its storage"),  # 4 TiB
+    (0, (2, 3), (1, 1), "more than its storage"),  # overlapping rows
+    (0, (1 << 62, 4), (1, 1), "integers in"),  # sizes whose int64 product wraps to 0
+    (0, (1 << 31, 1 << 31, 4), (0, 0, 0), "more than its storage"),  # product 2^64 wraps to 0 in numpy
+    (0, (2, 2), (5, 1), "runs past"),  # the first dimension's last row is past the end
+    (3, (2,), (1,), "runs past"),
+    (9, (0,), (1,), "offset 9 is past"),
+    (-1, (1,), (1,), "integers in"),
+    (0, (-2,), (1,), "integers in"),
+    (0, (2,), (-1,), "integers in"),
+    (0, (1,) * 65, (1,) * 65, "at most 64 dimensions"),
+])
+def test_views_checked_in_full(tmp_path, offset, size, stride, why):
+    p = _pt(tmp_path / "v.pt", _tensor_pickle(numel=4, offset=offset, size=size, stride=stride),
+            {"0": np.arange(4, dtype=np.float32).tobytes()})
+    with pytest.raises(pt_io.PtFormatError, match=why):
+        pt_io.load(p)
+
+
+def test_storage_numel_checked_against_the_record(tmp_path):
+    p = _pt(tmp_path / "n.pt", _tensor_pickle(numel=1 << 40, size=(4,)), {"0": b"\0" * 16})
+    with pytest.raises(pt_io.PtFormatError, match="has 16 bytes, needs"):
+        pt_io.load(p)
+    p = _pt(tmp_path / "n.pt", _tensor_pickle(numel=1 << 60, size=(4,)), {"0": b"\0" * 16})
+    with pytest.raises(pt_io.PtFormatError, match="bad element count"):
+        pt_io.load(p)
+
+
+def test_size_caps(tmp_path):
+    # A deflated record: 16 MiB of zeros in a ~16 KiB file. Refused from its declared
+    # size before anything is decompressed; read with a cap that allows it.
+    n = 4 << 20
+    p = _pt(tmp_path / "bomb.pt", _tensor_pickle(numel=n, size=(n,)), {"0": bytes(4 * n)}, zipfile.ZIP_DEFLATED)
+    assert p.stat().st_size < 64 << 10
+    with pytest.raises(pt_io.PtFormatError, match=r"data/0 holds 16777216 bytes, over the cap"):
+        pt_io.load(p, max_bytes=1 << 20)
+    assert pt_io.load(p, max_bytes=64 << 20).shape == (n,)
+    # The arrays made count too: the same 4 MiB storage viewed by 3 tensors.
+    n = 1 << 20
+    three = (b"\x80\x02(" + _tensor_pickle(numel=n, size=(n,))[2:-1] * 3 + b"l.")
+    p = _pt(tmp_path / "three.pt", three, {"0": bytes(4 * n)})
+    assert len(pt_io.load(p, max_bytes=16 << 20)) == 3
+    with pytest.raises(pt_io.PtFormatError, match="tensors of this file exceed the cap"):
+        pt_io.load(p, max_bytes=10 << 20)
+    # The pickle record has its own cap.
+    big = _pt(tmp_path / "pkl.pt", b"\x80\x02N" + b"0N" * (pt_io.MAX_PICKLE_BYTES // 2) + b".", None,
+              zipfile.ZIP_DEFLATED)
+    with pytest.raises(pt_io.PtFormatError, match="data.pkl holds .* over the cap"):
+        pt_io.load(big)
+
+
+def test_broken_archives_raise_pt_format_error(tmp_path):
+    good = tmp_path / "g.pt"
+    pt_io.save(np.arange(64, dtype=np.float32), good)
+    raw = bytearray(good.read_bytes())
+    # a flipped data byte: the CRC check fails inside zipfile (BadZipFile, not a ValueError)
+    idx = raw.index(np.arange(64, dtype=np.float32).tobytes()) + 10
+    raw[idx] ^= 0xFF
+    (tmp_path / "crc.pt").write_bytes(bytes(raw))
+    with pytest.raises(pt_io.PtFormatError, match="cannot read record"):
+        pt_io.load(tmp_path / "crc.pt")
+    # an unknown compression method on the data record (NotImplementedError inside zipfile)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("archive/data.pkl", _tensor_pickle())
+        zf.writestr("archive/data/0", bytes(16))
+    raw = bytearray(buf.getvalue())
+    for sig, off in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):  # the method field of the last local/central header
+        pos = raw.rindex(sig)
+        raw[pos + off:pos + off + 2] = (99).to_bytes(2, "little")
+    with pytest.raises(pt_io.PtFormatError):
+        pt_io.load(io.BytesIO(bytes(raw)))
+    # a file object works like a path
+    assert pt_io.load(io.BytesIO(good.read_bytes())).shape == (64,)
+    with pytest.raises(pt_io.PtFormatError, match="not a PyTorch"):
+        pt_io.load(io.BytesIO(b"PK\x05\x06" + bytes(18)))

@@ -9,16 +9,25 @@ both with numpy only.
 A `.pt` file (torch >= 1.6) is a zip archive whose entries sit under one top folder
 `<name>/`: `data.pkl` (a pickle describing the object), `data/<key>` (the raw bytes of
 each storage), `version`, `byteorder`. The pickle is read by a restricted unpickler:
-only the globals a tensor or state dict needs are resolved, each to a function of
-this module (`torch._utils._rebuild_tensor_v2`, `torch._utils._rebuild_parameter`,
-`torch.<Dtype>Storage`, `collections.OrderedDict`); any other global (e.g. `os.system`
-in a crafted file) raises ValueError before anything is called. Persistent ids
-(`('storage', type, key, location, numel)`) are answered with the bytes of
-`data/<key>`, bounds-checked against every tensor view.
+only the globals a tensor or state dict needs are resolved (`torch._utils._rebuild_tensor_v2`,
+`torch._utils._rebuild_parameter`, `torch.<Dtype>Storage`, `collections.OrderedDict`);
+any other global (e.g. `os.system` in a crafted file) raises before anything is called.
+Each load makes its own objects for those names, which refuse a pickle BUILD, so no
+file can change how a later one is read. Persistent ids (`('storage', type, key,
+location, numel)`) are answered with the bytes of `data/<key>`. Every tensor view is
+checked in full: offset, every size and stride non-negative and bounded, the furthest
+element inside the storage, and no more elements than the storage holds (stride 0 or
+overlapping views, which would multiply a small file into a huge array, are refused).
+
+Size caps: a load reads at most `max_bytes` (default DEFAULT_MAX_BYTES, 4 GiB) out of the
+archive, checked against each record's declared size before reading it, makes at most
+as many bytes of arrays again, and reads a `data.pkl` of at most MAX_PICKLE_BYTES (8 MiB).
+Every malformed, refused or oversized file raises PtFormatError (a ValueError) with the
+file and the reason; a path that cannot be opened raises OSError.
 
 Stable API (used by the profiler, the predictor trainer, convert and placement):
 
-    load(path)                     -> object: np.ndarray for a tensor; dict for a
+    load(path_or_file, max_bytes=None) -> object: np.ndarray for a tensor; dict for a
                                       (ordered) dict; lists/tuples/scalars as is
     load_tensor(path)              -> np.ndarray (the file must hold one tensor)
     load_state_dict(path)          -> Dict[str, np.ndarray]
@@ -38,20 +47,23 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
+import math
 import os
 import pickle
 import re
 import struct
 import sys
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 __all__ = ["load", "load_tensor", "load_state_dict", "save", "read_activation_dir", "write_activation_dir",
-           "read_predictor_dir", "write_predictor_dir"]
+           "read_predictor_dir", "write_predictor_dir", "PtFormatError", "DEFAULT_MAX_BYTES", "MAX_PICKLE_BYTES"]
 
 # torch storage class name <-> numpy dtype
 _STORAGE_DTYPES = {
@@ -73,150 +85,334 @@ _DTYPE_STORAGE = {np.dtype(np.float32): "FloatStorage", np.dtype(np.float64): "D
                   np.dtype(np.bool_): "BoolStorage"}
 
 
-class _StorageType:
-    """Stands for a `torch.<X>Storage` class inside the pickle."""
+# ---------------------------------------------------------------- reader (restricted unpickler)
+
+DEFAULT_MAX_BYTES = 4 << 30
+"""Default cap of one load: bytes read out of the archive, and again bytes of the arrays
+made from them (a PowerInfer predictor file of a 70B model is ~150 MB)."""
+MAX_PICKLE_BYTES = 8 << 20
+"""Cap of the `data.pkl` record (a state dict of thousands of tensors is ~1 MB of pickle;
+unpickling can grow memory ~100-fold from opcodes that each push a new object)."""
+_MAX_NDIM = 64  # numpy's limit
+_MAX_DIM = 1 << 48  # any size, stride or offset above this cannot index a real storage
+
+
+class PtFormatError(ValueError):
+    """A `.pt` file that is malformed, uses what this reader refuses (a global outside the
+    allow-list, a view larger than its storage), or goes over the load's size cap."""
+
+
+class _Frozen:
+    """Base of every object the pickle can reach by name: no instance dict, and a pickle
+    BUILD (which would set attributes) is refused."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise _Malformed(f"malformed .pt file: refusing to set state on {self!r} (pickle BUILD)")
+
+    def __setattr__(self, name, value):  # only __init__ sets fields, through object.__setattr__
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+
+class _StorageType(_Frozen):
+    """Stands for a `torch.<X>Storage` class inside the pickle. A fresh one per load."""
+
+    __slots__ = ("name",)
 
     def __init__(self, name: str):
-        self.name = name
+        object.__setattr__(self, "name", name)
 
-    def __call__(self, *args):
-        raise ValueError(f"refusing to construct torch.{self.name} from pickle arguments")
+    def __call__(self, *args, **kwargs):
+        raise _Malformed(f"malformed .pt file: refusing to construct torch.{self.name} from pickle arguments")
+
+    def __repr__(self):
+        return f"torch.{self.name}"
 
 
-class _Storage:
+class _Storage(_Frozen):
     """Bytes of one `data/<key>` record viewed as a 1-D array of the storage's dtype."""
 
+    __slots__ = ("name", "array")
+
     def __init__(self, name: str, array: np.ndarray):
-        self.name = name
-        self.array = array
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "array", array)
+
+    def __repr__(self):
+        return f"<storage {self.name} of {self.array.size} elements>"
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    if not isinstance(storage, _Storage):
-        raise ValueError("malformed .pt file: a tensor is not backed by a storage record")
-    if not (isinstance(storage_offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
-            and len(size) == len(stride) and all(isinstance(v, int) for v in size + stride)):
-        raise ValueError("malformed .pt file: bad tensor offset, size or stride")
-    if storage_offset < 0 or any(v < 0 for v in size + stride):
-        raise ValueError("malformed .pt file: negative tensor offset, size or stride")
-    base = storage.array
-    n = int(np.prod(size)) if size else 1
-    if n:
-        last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
-        if last >= base.size:
-            raise ValueError(f"malformed .pt file: tensor view of {size} at offset {storage_offset} runs past its "
-                             f"storage of {base.size} elements")
-    item = base.itemsize
-    view = np.lib.stride_tricks.as_strided(base[storage_offset:] if n else base[:0], shape=size,
-                                           strides=tuple(st * item for st in stride), writeable=False)
-    out = np.array(view)  # own the data, C order
-    if storage.name == "BFloat16Storage":
-        out = (out.astype(np.uint32) << 16).view(np.float32)
-    return out
+class _Global(_Frozen):
+    """An allow-listed global (a function of one load), fresh per load."""
+
+    __slots__ = ("qualname", "fn")
+
+    def __init__(self, qualname: str, fn: Callable[..., Any]):
+        object.__setattr__(self, "qualname", qualname)
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self):
+        return self.qualname
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _clip(text: str) -> str:
+    """A pickle-given name for a message: escaped, at most 80 characters."""
+    text = ascii(str(text))[1:-1]
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Malformed(Exception):
+    """Raised by the pickle-reachable objects, which do not know the file; load() turns it
+    into a PtFormatError naming the file."""
+
+
+def _describe(obj) -> str:
+    """A short description of a pickle-made object for an error message (never a full
+    repr: a crafted object can be deeply nested or huge)."""
+    if isinstance(obj, (str, bytes)) or _is_int(obj):
+        text = repr(obj)
+        return text if len(text) <= 80 else text[:77] + "..."
+    if isinstance(obj, tuple) and len(obj) <= 8:
+        return "(" + ", ".join(_describe(v) if isinstance(v, (str, bytes, int, _Frozen)) else type(v).__name__
+                               for v in obj) + ")"
+    if isinstance(obj, _Frozen):
+        return repr(obj)
+    return f"a {type(obj).__name__}"
+
+
+class _Load:
+    """One load: the archive, its size budget, its storages and its own allow-listed
+    globals. Nothing here outlives the load, so no file can change how the next is read."""
+
+    def __init__(self, zf: zipfile.ZipFile, prefix: str, where: str, max_bytes: int):
+        self.zf, self.prefix, self.where = zf, prefix, where
+        self.read_budget = max_bytes  # bytes still allowed out of the archive
+        self.array_budget = max_bytes  # bytes still allowed in arrays made from them
+        self.max_bytes = max_bytes
+        self.big_endian = False
+        self.storages: Dict[str, _Storage] = {}
+        self.storage_types = {name: _StorageType(name) for name in _STORAGE_DTYPES}
+        self.globals: Dict[Tuple[str, str], Any] = {
+            ("torch._utils", "_rebuild_tensor_v2"): _Global("torch._utils._rebuild_tensor_v2", self.rebuild_tensor),
+            ("torch._utils", "_rebuild_parameter"): _Global("torch._utils._rebuild_parameter", _rebuild_parameter),
+            ("collections", "OrderedDict"): _Global("collections.OrderedDict", _ordered_dict),
+        }
+        self.globals.update({("torch", name): st for name, st in self.storage_types.items()})
+
+    def fail(self, message: str) -> PtFormatError:
+        return PtFormatError(f"{self.where}: {message}")
+
+    def read(self, name: str, limit: Optional[int] = None) -> bytes:
+        """One archive record, after checking its declared size against the budget."""
+        try:
+            info = self.zf.getinfo(name)
+        except KeyError:
+            raise self.fail(f"record {name} is missing") from None
+        cap = self.read_budget if limit is None else min(limit, self.read_budget)
+        if info.file_size > cap:
+            raise self.fail(f"record {name} holds {info.file_size} bytes, over the cap of {cap} "
+                            f"(load(..., max_bytes=N) raises the cap of {self.max_bytes})")
+        try:
+            data = self.zf.read(info)
+        except PtFormatError:
+            raise
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, RuntimeError, NotImplementedError,
+                OverflowError, struct.error, zlib.error, lzma.LZMAError) as e:
+            raise self.fail(f"cannot read record {name}: {type(e).__name__}: {e}") from None
+        if len(data) > cap:  # zipfile stops at the declared size; this only guards that
+            raise self.fail(f"record {name} is larger than it declares")
+        self.read_budget -= len(data)
+        return data
+
+    def storage(self, pid) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise self.fail(f"unsupported persistent id {_describe(pid)}")
+        stype, key, numel = pid[1], pid[2], pid[4]
+        if not (isinstance(stype, _StorageType) and self.storage_types.get(stype.name) is stype):
+            raise self.fail(f"persistent id names {_describe(stype)}, not a torch storage class")
+        if not isinstance(key, str) or not re.fullmatch(r"[0-9A-Za-z_]{1,64}", key):
+            raise self.fail(f"bad storage key {_describe(key)}")
+        if not _is_int(numel) or not 0 <= numel <= _MAX_DIM:
+            raise self.fail(f"bad element count {_describe(numel)} of storage data/{key}")
+        dtype = _STORAGE_DTYPES[stype.name]
+        cached = self.storages.get(key)
+        if cached is not None:
+            if cached.name != stype.name or cached.array.size != numel:
+                raise self.fail(f"storage data/{key} is named twice with different types or sizes")
+            return cached
+        name = f"{self.prefix}data/{key}"
+        try:
+            declared = self.zf.getinfo(name).file_size
+        except KeyError:
+            raise self.fail(f"storage record data/{key} is missing") from None
+        if declared < numel * dtype.itemsize:
+            raise self.fail(f"storage data/{key} has {declared} bytes, needs {numel * dtype.itemsize}")
+        raw = self.read(name)
+        if len(raw) < numel * dtype.itemsize:
+            raise self.fail(f"storage data/{key} has {len(raw)} bytes, needs {numel * dtype.itemsize}")
+        arr = np.frombuffer(raw, dtype=dtype, count=numel)
+        if self.big_endian and dtype.itemsize > 1:
+            arr = arr.byteswap()
+        st = _Storage(stype.name, arr)
+        self.storages[key] = st
+        return st
+
+    def rebuild_tensor(self, storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+        """torch._utils._rebuild_tensor_v2: a view of a storage, checked in full and copied."""
+        if not isinstance(storage, _Storage):
+            raise self.fail("malformed .pt file: a tensor is not backed by a storage record")
+        if not (_is_int(storage_offset) and isinstance(size, tuple) and isinstance(stride, tuple)):
+            raise self.fail("malformed .pt file: bad tensor offset, size or stride")
+        if len(size) != len(stride) or len(size) > _MAX_NDIM:
+            raise self.fail(f"malformed .pt file: a tensor has {len(size)} sizes and {len(stride)} strides "
+                            f"(at most {_MAX_NDIM} dimensions)")
+        if not all(_is_int(v) and 0 <= v <= _MAX_DIM for v in size + stride + (storage_offset,)):
+            raise self.fail("malformed .pt file: tensor offset, sizes and strides must be integers in "
+                            f"[0, 2^48]; got offset {_describe(storage_offset)}, size {_describe(size)}, "
+                            f"stride {_describe(stride)}")
+        base = storage.array
+        numel = math.prod(size)
+        if storage_offset > base.size:
+            raise self.fail(f"malformed .pt file: tensor offset {storage_offset} is past its storage of "
+                            f"{base.size} elements")
+        if numel:
+            # Every dimension at its largest index: the furthest element the view reads.
+            last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
+            if last >= base.size:
+                raise self.fail(f"malformed .pt file: tensor view of {list(size)} with strides {list(stride)} at "
+                                f"offset {storage_offset} runs past its storage of {base.size} elements")
+            if numel > base.size:
+                raise self.fail(f"tensor view of {list(size)} with strides {list(stride)} has {numel} elements, "
+                                f"more than its storage's {base.size} (stride 0 or overlapping strides: "
+                                "expanded tensors are not read; save tensor.contiguous())")
+        nbytes = numel * base.itemsize * (2 if storage.name == "BFloat16Storage" else 1)
+        if nbytes > self.array_budget:
+            raise self.fail(f"tensors of this file exceed the cap of {self.max_bytes} bytes "
+                            "(load(..., max_bytes=N) raises it)")
+        self.array_budget -= nbytes
+        if numel == 0:
+            out = np.zeros(size, dtype=base.dtype)
+        else:
+            item = base.itemsize
+            view = np.lib.stride_tricks.as_strided(base[storage_offset:], shape=size,
+                                                   strides=tuple(st * item for st in stride), writeable=False)
+            out = np.array(view)  # own the data, C order
+        if storage.name == "BFloat16Storage":
+            out = (out.astype(np.uint32) << 16).view(np.float32)
+        return out
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
     if not isinstance(data, np.ndarray):
-        raise ValueError("malformed .pt file: a parameter does not hold a tensor")
+        raise _Malformed("malformed .pt file: a parameter does not hold a tensor")
     return data
 
 
 def _ordered_dict(*args):
     if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, dict))):
-        raise ValueError("malformed .pt file: bad OrderedDict arguments")
+        raise _Malformed("malformed .pt file: bad OrderedDict arguments")
     return OrderedDict(*args)
 
 
-_ALLOWED_GLOBALS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("collections", "OrderedDict"): _ordered_dict,
-}
-_ALLOWED_GLOBALS.update({("torch", name): _StorageType(name) for name in _STORAGE_DTYPES})
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, zf: zipfile.ZipFile, prefix: str, path: str):
+    """Resolves only the load's own allow-listed globals; persistent ids become storages."""
+
+    def __init__(self, data: bytes, state: _Load):
         super().__init__(io.BytesIO(data))
-        self._zf, self._prefix, self._path = zf, prefix, path
-        self._storages: Dict[str, _Storage] = {}
+        self._state = state
 
     def find_class(self, module, name):
-        fn = _ALLOWED_GLOBALS.get((module, name))
+        fn = self._state.globals.get((module, name))
         if fn is None:
-            raise ValueError(f"{self._path}: refusing to load pickle global {module}.{name} "
-                             "(only tensors and dicts of tensors are read)")
+            raise self._state.fail(f"refusing to load pickle global {_clip(module)}.{_clip(name)} "
+                                   "(only tensors and dicts of tensors are read)")
         return fn
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int)):
-            raise ValueError(f"{self._path}: unsupported persistent id {pid!r}")
-        stype, key, numel = pid[1], pid[2], pid[4]
-        if key in self._storages:
-            return self._storages[key]
-        if not re.fullmatch(r"[0-9A-Za-z_]+", key):
-            raise ValueError(f"{self._path}: bad storage key {key!r}")
-        try:
-            raw = self._zf.read(f"{self._prefix}data/{key}")
-        except KeyError:
-            raise ValueError(f"{self._path}: storage record data/{key} is missing") from None
-        dtype = _STORAGE_DTYPES[stype.name]
-        if len(raw) < numel * dtype.itemsize:
-            raise ValueError(f"{self._path}: storage data/{key} has {len(raw)} bytes, needs {numel * dtype.itemsize}")
-        arr = np.frombuffer(raw, dtype=dtype, count=numel)
-        if self._big_endian and dtype.itemsize > 1:
-            arr = arr.byteswap()
-        st = _Storage(stype.name, arr)
-        self._storages[key] = st
-        return st
-
-    _big_endian = False
+        return self._state.storage(pid)
 
 
-def load(path: Union[str, os.PathLike]) -> Any:
-    """Reads a torch.save archive; tensors become numpy arrays. Never executes pickle code."""
-    path = os.fspath(path)
+def load(source: Union[str, os.PathLike, BinaryIO], *, max_bytes: Optional[int] = None) -> Any:
+    """Reads a torch.save archive (a path or a binary file object); tensors become numpy
+    arrays. Never executes pickle code. At most `max_bytes` (default DEFAULT_MAX_BYTES)
+    are read out of the archive, and at most as many again in the arrays made; the pickle
+    record is at most MAX_PICKLE_BYTES. Raises PtFormatError (a ValueError) for anything
+    malformed, refused or over the cap; OSError when the path cannot be read."""
+    cap = DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
+    if cap < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if isinstance(source, (str, bytes, os.PathLike)):
+        where = os.fsdecode(source)
+        with open(source, "rb") as f:
+            return _load_file(f, where, cap)
+    return _load_file(source, getattr(source, "name", None) or "<stream>", cap)
+
+
+def _load_file(f: BinaryIO, where: str, cap: int) -> Any:
     try:
-        zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if head[:1] == b"\x80":
-            raise ValueError(f"{path}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
-                             "re-save it with a current torch") from None
-        raise ValueError(f"{path}: not a PyTorch .pt file (not a zip archive)") from None
-    with zf:
-        pkls = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") <= 1]
-        if len(pkls) != 1:
-            raise ValueError(f"{path}: not a PyTorch .pt file (expected one <name>/data.pkl, found {len(pkls)})")
-        prefix = pkls[0][: -len("data.pkl")]
-        up = _RestrictedUnpickler(zf.read(pkls[0]), zf, prefix, path)
-        if f"{prefix}byteorder" in zf.namelist():
-            order = zf.read(f"{prefix}byteorder").decode(errors="replace").strip()
-            if order not in ("little", "big"):
-                raise ValueError(f"{path}: bad byteorder record {order!r}")
-            up._big_endian = order == "big"
+        zf = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, OverflowError,
+            struct.error, NotImplementedError, UnicodeError) as e:
         try:
-            return up.load()
-        except ValueError:
+            f.seek(0)
+            head = f.read(1)
+        except (OSError, ValueError):
+            head = b""
+        if head == b"\x80":
+            raise PtFormatError(f"{where}: legacy (pre-1.6, non-zip) torch.save format is not supported; "
+                                "re-save it with a current torch") from None
+        raise PtFormatError(f"{where}: not a PyTorch .pt file (not a readable zip archive: {e})") from None
+    with zf:
+        names = zf.namelist()
+        pkls = [n for n in names if n.endswith("data.pkl") and n.count("/") <= 1]
+        if len(pkls) != 1:
+            raise PtFormatError(f"{where}: not a PyTorch .pt file (expected one <name>/data.pkl, found {len(pkls)})")
+        prefix = pkls[0][: -len("data.pkl")]
+        state = _Load(zf, prefix, where, cap)
+        data = state.read(pkls[0], limit=MAX_PICKLE_BYTES)
+        if f"{prefix}byteorder" in names:
+            order = state.read(f"{prefix}byteorder", limit=64).decode(errors="replace").strip()
+            if order not in ("little", "big"):
+                raise state.fail(f"bad byteorder record {_describe(order)}")
+            state.big_endian = order == "big"
+        try:
+            return _RestrictedUnpickler(data, state).load()
+        except PtFormatError:
             raise
-        except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, IndexError, KeyError) as e:
-            raise ValueError(f"{path}: malformed pickle in .pt file: {e}") from None
+        except _Malformed as e:
+            raise state.fail(str(e)) from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                OverflowError, struct.error, UnicodeError, RecursionError) as e:
+            raise state.fail(f"malformed pickle in .pt file: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def load_tensor(path) -> np.ndarray:
-    obj = load(path)
+def load_tensor(path, *, max_bytes: Optional[int] = None) -> np.ndarray:
+    obj = load(path, max_bytes=max_bytes)
     if not isinstance(obj, np.ndarray):
-        raise ValueError(f"{os.fspath(path)}: expected one tensor, found {type(obj).__name__}")
+        raise PtFormatError(f"{_where(path)}: expected one tensor, found {type(obj).__name__}")
     return obj
 
 
-def load_state_dict(path) -> Dict[str, np.ndarray]:
-    obj = load(path)
+def load_state_dict(path, *, max_bytes: Optional[int] = None) -> Dict[str, np.ndarray]:
+    obj = load(path, max_bytes=max_bytes)
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in obj.items()):
-        raise ValueError(f"{os.fspath(path)}: expected a state dict (str -> tensor)")
+        raise PtFormatError(f"{_where(path)}: expected a state dict (str -> tensor)")
     return dict(obj)
+
+
+def _where(source) -> str:
+    if isinstance(source, (str, bytes, os.PathLike)):
+        return os.fsdecode(source)
+    return getattr(source, "name", None) or "<stream>"
 
 
 # ---------------------------------------------------------------- writer (protocol-2 pickle by hand)
