@@ -39,10 +39,13 @@ def _llama(path, **kw):
 def test_recall_precision_hand_cases():
     logits = np.array([[2.0, -1.0, 0.5, -3.0], [0.1, 0.2, -0.2, 1.0]])
     mask = np.array([[1, 0, 0, 0], [1, 0, 1, 1]], dtype=bool)
-    # > 0 predicts (0,0) (0,2) (1,0) (1,1) (1,3): tp = 3 of 4 positives, 3 of 5 predicted
+    # >= 0 predicts (0,0) (0,2) (1,0) (1,1) (1,3): tp = 3 of 4 positives, 3 of 5 predicted
     assert recall_precision(logits, mask, 0.0) == (0.75, 0.6)
-    # > -0.5 adds (1,2): all 4 positives, 4 of 6 predicted
+    # >= -0.5 adds (1,2): all 4 positives, 4 of 6 predicted
     assert recall_precision(logits, mask, -0.5) == (1.0, 4 / 6)
+    # a logit equal to the threshold counts as predicted (PowerInfer skips iff logit < t):
+    # >= 1.0 predicts (0,0) and (1,3), both positives
+    assert recall_precision(logits, mask, 1.0) == (0.5, 1.0)
     # nothing predicted: precision 1 by convention; no positives: recall 1
     assert recall_precision(logits, mask, 10.0) == (0.0, 1.0)
     assert recall_precision(logits, np.zeros_like(mask), 0.0) == (1.0, 0.0)
@@ -56,10 +59,12 @@ def test_threshold_for_recall_meets_target():
         t = threshold_for_recall(logits, mask, target)
         rec, _ = recall_precision(logits, mask, t)
         assert rec >= target
-        # the largest such threshold: a bit higher loses recall below the target
+        # the largest such threshold but for a float32 step: just above the lowest positive
+        # kept, recall falls below the target
         if target < 1.0:
-            higher = np.min(logits[mask][logits[mask] > t])
-            assert recall_precision(logits, mask, higher)[0] < target
+            kept = np.min(logits[mask][logits[mask] >= t])
+            assert kept - t < 1e-6
+            assert recall_precision(logits, mask, np.nextafter(kept, np.inf))[0] < target
     with pytest.raises(ValueError):
         threshold_for_recall(logits, mask, 0.0)
 

@@ -8,6 +8,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,14 @@ class Engine:
             logits.append(lg)
             assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, len(toks) + len(out) - 1, False) == 0
         return out, np.array(logits)
+
+    def logits_along(self, tokens):
+        """Logits after each of tokens, decoded one at a time (the sparse path)."""
+        out = []
+        for pos, t in enumerate(tokens):
+            assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, pos, False) == 0, _error()
+            out.append(self._logits())
+        return np.array(out)
 
     def active_fraction(self):
         a, b = ffi.new("int64_t*"), ffi.new("int64_t*")
@@ -195,9 +204,107 @@ def test_powerinfer_file_round_trip(tiny, tmp_path):
         assert lib.powerinfer_model_sparse_threshold(e.model, 0) == 0.0
         assert ffi.string(lib.powerinfer_model_ffn_activation(e.model)) == b"relu"
         toks, _ = e.greedy(n=8)
-        assert len(toks) == 8
     finally:
         e.close()
+    # the PWRI file decodes like its standard twin (the planted predictor is exact)
+    assert toks == _tokens(tiny["tiny"]["dense"], n=8)
+
+
+def test_dense_mode_ignores_thresholds(tiny):
+    """Dense computes every neuron: a threshold (here absurdly high; FATReLU models carry
+    per-layer gate thresholds) must not drop any (the down projection's AXPY over
+    ffn_down_t skips only exact zeros)."""
+    path = tiny["tiny"]["powerinfer"]
+    _, plain, _, _ = _run(path, "dense")
+    _, high, _, mode = _run(path, "dense", threshold=1e3)
+    assert mode == "dense"
+    assert np.array_equal(plain, high)
+
+
+def _with_fc2(path, tmp_path, make_fc2):
+    """A copy of the F32 PWRI file at `path` whose blk.N.fc2.weight is make_fc2(layer, shape)."""
+    import gguf
+
+    data = bytearray(Path(path).read_bytes())
+    view = bytearray(data)
+    view[:4] = b"GGUF"
+    probe = tmp_path / "probe.gguf"
+    probe.write_bytes(bytes(view))
+    for t in gguf.GGUFReader(str(probe)).tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.fc2\.weight", t.name)
+        if m:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            new = np.ascontiguousarray(make_fc2(int(m.group(1)), t.data.shape), dtype=np.float32).tobytes()
+            assert len(new) == t.n_bytes
+            data[t.data_offset:t.data_offset + t.n_bytes] = new
+    out = tmp_path / "fc2.powerinfer.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _tokens(engine_path, n=20):
+    e = Engine(engine_path, "dense")
+    try:
+        toks, _ = e.greedy(n=n)
+    finally:
+        e.close()
+    return toks
+
+
+def test_numpy_reference_matches_dense(tiny, tmp_path):
+    """The numpy reference (tests/numpy_llama.py) against the engine's dense mode, so the
+    predictor tests below compare with something checked."""
+    from numpy_llama import forward, read_f32_model
+
+    path = tiny["tiny"]["powerinfer"]
+    tokens = _tokens(path)
+    ref = forward(*read_f32_model(path, tmp_path), tokens)
+    e = Engine(path, "dense")
+    got = e.logits_along(tokens)
+    e.close()
+    assert np.abs(got - ref).max() <= TOL["tiny"] * np.abs(ref).max()
+
+
+def test_wrong_predictor_matches_masked_reference(tiny, tmp_path):
+    """A predictor that is wrong on purpose: fc2 row i = s_i * ones with random signs s_i, so
+    neuron i is predicted active (logit = s_i * sum(relu(fc1 . x)) >= 0) for every token
+    when s_i = +1 and never otherwise, whatever it would really do. Predictor mode must
+    equal the model with exactly that mask on its FFN, not the dense model."""
+    from numpy_llama import forward, read_f32_model
+
+    rng = np.random.default_rng(5)
+    n_ff = PRESETS["tiny"].n_ff
+    signs = {il: np.where(rng.random(n_ff) < 0.4, 1.0, -1.0) for il in range(PRESETS["tiny"].n_layer)}
+    path = _with_fc2(tiny["tiny"]["powerinfer"], tmp_path, lambda il, shape: signs[il][:, None] * np.ones(shape))
+    tensors, hp = read_f32_model(path, tmp_path)
+    tokens = _tokens(tiny["tiny"]["powerinfer"])
+    masked = forward(tensors, hp, tokens, lambda il, x_res: (signs[il] > 0)[None, :].astype(np.float64))
+    dense = forward(tensors, hp, tokens)
+    e = Engine(path, "predictor")
+    got = e.logits_along(tokens)
+    frac = e.active_fraction()
+    e.close()
+    scale = np.abs(masked).max()
+    assert np.abs(got - masked).max() <= TOL["tiny"] * scale
+    assert np.abs(dense - masked).max() > 100 * TOL["tiny"] * scale  # the mask matters
+    np.testing.assert_allclose(frac, [np.mean(signs[il] > 0) for il in sorted(signs)])
+
+
+def test_predictor_ties_are_computed(tiny, tmp_path):
+    """PowerInfer skips a neuron iff its logit < threshold, so a logit equal to it is
+    computed. fc2 = 0 makes every logit exactly 0, the file's threshold: every neuron is
+    active and predictor mode equals dense."""
+    path = _with_fc2(tiny["tiny"]["powerinfer"], tmp_path, lambda il, shape: np.zeros(shape))
+    tokens = _tokens(tiny["tiny"]["powerinfer"])
+    e = Engine(path, "dense")
+    dense = e.logits_along(tokens)
+    e.close()
+    e = Engine(path, "predictor")
+    got = e.logits_along(tokens)
+    frac = e.active_fraction()
+    e.close()
+    assert np.all(frac == 1.0), frac
+    assert np.abs(got - dense).max() <= TOL["tiny"] * np.abs(dense).max()
 
 
 def test_env_threshold_overrides_file(tiny, monkeypatch):
@@ -293,9 +400,50 @@ def test_malformed_sparse_tensors(tiny, tmp_path):
         Engine(bad)
 
 
+def _retyped(src, dst, name, ggml_type):
+    """A copy of src whose tensor `name` claims ggml_type in its header (data untouched)."""
+    blob = bytearray(Path(src).read_bytes())
+    i = blob.find(_s(name))
+    assert i > 0, name
+    j = i + len(_s(name))
+    (n_dims,) = struct.unpack_from("<I", blob, j)
+    struct.pack_into("<I", blob, j + 4 + 8 * n_dims, ggml_type)
+    Path(dst).write_bytes(bytes(blob))
+    return dst
+
+
+I32, Q8_0 = 26, 8
+
+
+@pytest.mark.parametrize("name,ggml_type,mode", [
+    ("blk.0.ffn_up.weight", I32, "predictor"),      # the sparse rows: no vec_dot for I32
+    ("blk.1.ffn_down_t.weight", I32, "dense"),
+    ("blk.0.fc2.weight", I32, "predictor"),
+    ("blk.1.attn_q.weight", I32, "dense"),
+    ("token_embd.weight", I32, "dense"),
+    ("blk.0.ffn_norm.weight", Q8_0, "dense"),       # norms and biases are F32 only
+    ("output_norm.weight", Q8_0, "dense"),
+])  # fmt: skip
+def test_unsupported_tensor_types(tiny, tmp_path, name, ggml_type, mode):
+    """A tensor of a type its operation cannot run gets a clear error at load, never a
+    crash in a kernel (run in a child process, so a crash fails only this test)."""
+    bad = _retyped(tiny["tiny"]["powerinfer"], tmp_path / "retyped.powerinfer.gguf", name, ggml_type)
+    code = (
+        "import sys\n"
+        "from powerinfer_py import Llama\n"
+        "try:\n"
+        f"    llm = Llama({str(bad)!r}, n_ctx=64, n_threads=2, verbose=False, sparse_mode={mode!r}, fallback=False)\n"
+        "    llm.create_completion('the cat', max_tokens=2, temperature=0)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e); sys.exit(0)\n"
+        "print('loaded'); sys.exit(3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert name in r.stdout and "type" in r.stdout, r.stdout
+
+
 def test_python_llama_runs_sparse_modes(tiny):
-
-
     path = tiny["tiny"]["powerinfer"]
     texts = {}
     for mode in ("dense", "gate", "predictor", "auto"):

@@ -118,7 +118,19 @@ def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok, driver):
     """pi_sparse_ffn with W as gate, up and ffn_down_t and ReLU: h_i = relu(g_i) * g_i with
     g_i = W_i . x for the active i, then sum_i h_i W_i. Bound: the matvec's bound on g (as
     above) carried through h (|dh| <= |dg| (2|g| + |dg|)), then the AXPY's accumulation."""
-    w, x, h, active = _problem(seed=11 + TYPES.index(wtype), n_tok=n_tok)
+    _check_fused(tmp_path, wtype, n_tok, driver, n_embd=512)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("wtype", ["f16", "q4_K"])
+def test_fused_ffn_long_rows(tmp_path, wtype, driver):
+    """Rows longer than the AXPY's dequantization piece (PI_AXPY_PIECE = 1024 elements):
+    2304 = 1024 + 1024 + 256, so types without a fused kernel cross piece boundaries."""
+    _check_fused(tmp_path, wtype, 2, driver, n_embd=2304)
+
+
+def _check_fused(tmp_path, wtype, n_tok, driver, n_embd):
+    w, x, h, active = _problem(seed=11 + TYPES.index(wtype), n_tok=n_tok, n_embd=n_embd)
     wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active, driver)
     fused = _run.fused
     wd64, x64 = wd.astype(np.float64), x.astype(np.float64)

@@ -47,9 +47,10 @@ from .common import PipelineError, Progress, run_cli
 # ---------------------------------------------------------------- metrics and thresholds
 
 def recall_precision(logits: np.ndarray, mask: np.ndarray, threshold: float) -> Tuple[float, float]:
-    """Micro-averaged recall and precision of `logit > threshold` against mask (fired).
+    """Micro-averaged recall and precision of `logit >= threshold` (the engine's rule, and
+    PowerInfer's: a neuron is skipped iff its logit < threshold) against mask (fired).
     No positives: recall 1; nothing predicted: precision 1."""
-    pred = np.asarray(logits) > threshold
+    pred = np.asarray(logits) >= threshold
     mask = np.asarray(mask, dtype=bool)
     tp = int(np.count_nonzero(pred & mask))
     pos, npred = int(np.count_nonzero(mask)), int(np.count_nonzero(pred))
@@ -57,13 +58,15 @@ def recall_precision(logits: np.ndarray, mask: np.ndarray, threshold: float) -> 
 
 
 def threshold_for_recall(logits: np.ndarray, mask: np.ndarray, target: float) -> float:
-    """The largest threshold t such that recall(logit > t) >= target on these pairs."""
+    """A threshold t with recall(logit >= t) >= target on these pairs: one float32 step below
+    the lowest positive logit that must be kept (the largest such t but for that step, which
+    keeps the positive when the engine's float32 arithmetic rounds its logit slightly lower)."""
     if not 0.0 < target <= 1.0:
         raise PipelineError(f"target recall must be in (0, 1], got {target}")
     pos = np.sort(np.asarray(logits, dtype=np.float32)[np.asarray(mask, dtype=bool)])
     if pos.size == 0:
         return float(np.max(logits)) if np.size(logits) else 0.0
-    need = math.ceil(target * pos.size - 1e-9)  # positives that must score above t
+    need = math.ceil(target * pos.size - 1e-9)  # positives that must score at least t
     k = pos.size - need  # how many of the lowest may be missed
     return float(np.nextafter(pos[k], np.float32(-np.inf)))
 

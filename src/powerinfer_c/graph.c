@@ -69,7 +69,7 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct p
     if (l->ffn_down_b && (h->ne[1] > 1 || !pi_act_is_relu(act))) {
         return l->ffn_down_b_packed ? pi_packed_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
     }
-    return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, ggml_abs(ctx, h), stat));
+    return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, h, PI_ACTIVE_NONZERO, stat));
 }
 
 static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
@@ -133,12 +133,12 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
         struct ggml_tensor * a = build_act(ctx, act, ggml_mul_mat(ctx, l->ffn_gate, x));
-        return build_sparse_rows(ctx, l, act, x, a, pi_active_index(ctx, gate_score(ctx, act, a), stat));
+        return build_sparse_rows(ctx, l, act, x, a, pi_active_index(ctx, gate_score(ctx, act, a), PI_ACTIVE_ABOVE, stat));
     }
     if (sparse && mode == POWERINFER_SPARSE_PREDICTOR) {
-        // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i > tau.
+        // logit = fc2 . relu(fc1 . x_res); neuron i is active when logit_i >= tau (PowerInfer's rule).
         struct ggml_tensor * logit = predictor_logits(ctx, model, l, x_res);
-        return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, stat));
+        return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, PI_ACTIVE_AT_LEAST, stat));
     }
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
     struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up_b ? l->ffn_up_b : l->ffn_up, x);
@@ -185,9 +185,16 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
         struct ggml_tensor * a  = ol->gate ? build_act(ctx, act, ggml_mul_mat(ctx, ol->gate, x)) : NULL;
         struct ggml_tensor * h  = a ? ggml_mul(ctx, a, up_term(ctx, act, up)) : build_act(ctx, act, up);
         if (sparse) {
-            struct ggml_tensor * score = pred ? ggml_mul_mat(ctx, ol->fc2, pre) : gate_score(ctx, act, a);
-            // step(score - tau): 1 where the neuron is active, else 0
-            h = ggml_mul(ctx, h, ggml_step(ctx, ggml_scale_bias(ctx, score, 1.0f, -tau)));
+            // 1 where the neuron is active, else 0: gate mode step(score - tau) (score > tau),
+            // predictor mode 1 - step(tau - logit) (logit >= tau), as on the CPU side.
+            struct ggml_tensor * on;
+            if (pred) {
+                struct ggml_tensor * below = ggml_step(ctx, ggml_scale_bias(ctx, ggml_mul_mat(ctx, ol->fc2, pre), -1.0f, tau));
+                on = ggml_scale_bias(ctx, below, -1.0f, 1.0f);
+            } else {
+                on = ggml_step(ctx, ggml_scale_bias(ctx, gate_score(ctx, act, a), 1.0f, -tau));
+            }
+            h = ggml_mul(ctx, h, on);
         }
         out_dev = ggml_mul_mat(ctx, ol->down, h);                                          // [n_embd, T]
     }
@@ -203,9 +210,9 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
     if (!sparse) {
         idx = pi_cold_index(ctx, a ? a : x, n_ff, stat);
     } else if (pred) {
-        idx = pi_active_index(ctx, predictor_mul(ctx, model, l->fc2, l->fc2_p, pre), stat);
+        idx = pi_active_index(ctx, predictor_mul(ctx, model, l->fc2, l->fc2_p, pre), PI_ACTIVE_AT_LEAST, stat);
     } else {
-        idx = pi_active_index(ctx, gate_score(ctx, act, a), stat);
+        idx = pi_active_index(ctx, gate_score(ctx, act, a), PI_ACTIVE_ABOVE, stat);
     }
     return ggml_add(ctx, build_sparse_rows(ctx, l, act, x, a, idx), out_dev);
 }

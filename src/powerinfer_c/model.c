@@ -212,7 +212,27 @@ int32_t pi_model_load_hparams(struct powerinfer_model * model) {
 
 // ---- tensors -----------------------------------------------------------------
 
-// Looks a tensor up by name and checks its shape (ne0, ne1; ne1 = 0 for 1-D).
+// Whether the operators that read t can run its type: vectors (norms, biases) are added
+// and multiplied elementwise in F32; matrices go through matmul (vec_dot), the sparse
+// kernels (vec_dot, to_float) and get_rows (to_float). Anything else would reach a NULL
+// function pointer or an assertion inside ggml.
+static int32_t check_type(const struct ggml_tensor * t, bool vector) {
+    const enum ggml_type type = t->type;
+    if (vector) {
+        return type == GGML_TYPE_F32 ? POWERINFER_OK
+                                     : pi_fail(POWERINFER_ERR_FORMAT, "tensor '%s' has type %s; this vector must be F32",
+                                               t->name, ggml_type_name(type));
+    }
+    const struct ggml_type_traits_cpu * cpu = ggml_get_type_traits_cpu(type);
+    const bool ok = type == GGML_TYPE_F32 ||
+                    (ggml_blck_size(type) > 0 && cpu->vec_dot && ggml_get_type_traits(type)->to_float &&
+                     (cpu->vec_dot_type == GGML_TYPE_F32 || ggml_get_type_traits_cpu(cpu->vec_dot_type)->from_float));
+    return ok ? POWERINFER_OK
+              : pi_fail(POWERINFER_ERR_FORMAT, "tensor '%s' has type %s, which the CPU matrix operators do not support",
+                        t->name, ggml_type_name(type));
+}
+
+// Looks a tensor up by name and checks its shape (ne0, ne1; ne1 = 0 for 1-D) and type.
 static int32_t bind(const struct powerinfer_model * model, struct ggml_tensor ** out, bool required,
                     int64_t ne0, int64_t ne1, const char * fmt, ...) __attribute__((format(printf, 6, 7)));
 
@@ -236,7 +256,7 @@ static int32_t bind(const struct powerinfer_model * model, struct ggml_tensor **
                        "tensor '%s' has shape [%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "], expected [%" PRId64 ", %" PRId64 "]",
                        name, t->ne[0], t->ne[1], t->ne[2], t->ne[3], ne0, want1);
     }
-    return POWERINFER_OK;
+    return check_type(t, ne1 == 0);
 }
 
 // Predictor fc2 . relu(fc1 . x): the rank r may differ per layer, so it is read from fc1.

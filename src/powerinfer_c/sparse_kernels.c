@@ -241,7 +241,7 @@ static void axpy_rows_q8_0(int64_t nb, const void * const * rows, const float * 
 #endif
 
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32, const struct pi_next_rows * next, bool init) {
+                  const struct pi_next_rows * next, bool init) {
     struct prefetcher pf;
     if (blocks_match(type)) {
         pf_init(&pf, next, n / PI_QK);
@@ -251,16 +251,26 @@ void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, con
     pf_init(&pf, next, 1);
     pf_rest(&pf);
     if (init) memset(out, 0, sizeof(float) * (size_t) n);
+    // Other types are dequantized a piece at a time into a stack buffer (pieces of whole
+    // blocks; every ggml block size divides PI_AXPY_PIECE), rows in order for every element.
     ggml_to_float_t to_float = type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(type)->to_float;
-    for (int j = 0; j < k; ++j) {
-        const float * w = rows[j];
-        if (to_float) {
-            to_float(rows[j], row_f32, n);
-            w = row_f32;
-        }
-        const float s = a[j];
-        for (int64_t c = 0; c < n; ++c) {
-            out[c] = fmaf(s, w[c], out[c]);
+    const int64_t blck  = ggml_blck_size(type);
+    const int64_t piece = PI_AXPY_PIECE - PI_AXPY_PIECE % blck;
+    float buf[PI_AXPY_PIECE];
+    for (int64_t c0 = 0; c0 < n; c0 += piece) {
+        const int64_t m = n - c0 < piece ? n - c0 : piece;
+        const size_t off = ggml_row_size(type, c0);
+        for (int j = 0; j < k; ++j) {
+            const float * w = (const float *) ((const char *) rows[j] + off);
+            if (to_float) {
+                to_float((const char *) rows[j] + off, buf, m);
+                w = buf;
+            }
+            const float s = a[j];
+            float * o = out + c0;
+            for (int64_t c = 0; c < m; ++c) {
+                o[c] = fmaf(s, w[c], o[c]);
+            }
         }
     }
 }

@@ -36,7 +36,9 @@ void pi_rows_dot(enum ggml_type type, int64_t n, const void * const * rows, int 
 // out[0, n) += a[j] * row_j for j = 0 .. k-1, in that order for every element, each
 // step a fused multiply-add of the dequantized weight (so the result does not depend on
 // how rows are grouped into calls). rows point at n elements of `type` (n a multiple of
-// its block size); row_f32: scratch of n floats, used by types without a fused kernel.
-// init: out holds nothing yet; the sums start from 0 (as if out were zeroed first).
+// its block size). Types without a fused kernel are dequantized PI_AXPY_PIECE elements
+// at a time on the stack. init: out holds nothing yet; the sums start from 0 (as if out
+// were zeroed first).
+#define PI_AXPY_PIECE 1024
 void pi_rows_axpy(enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,
-                  float * row_f32, const struct pi_next_rows * next, bool init);
+                  const struct pi_next_rows * next, bool init);

@@ -13,22 +13,24 @@
 
 // ---- active index ----------------------------------------------------------------
 
-static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
+// The active list of a score; `rule` is a constant in each caller, so the test inlines.
+static inline void active_index(struct ggml_tensor * dst, int ith, struct pi_active_stat * stat, enum pi_active_rule rule) {
     if (ith != 0) {
         return;
     }
     const struct ggml_tensor * score = dst->src[0];
-    struct pi_active_stat * stat = userdata;
     const float threshold = stat->threshold;
     const int64_t n_ff = score->ne[0], n_tok = score->ne[1];
     int32_t * out = (int32_t *) dst->data;
-    const uint8_t * skip = stat->skip;
+    const uint8_t * skip = rule == PI_ACTIVE_NONZERO ? NULL : stat->skip;
     int32_t n = 0, n_skipped = 0;
     for (int64_t i = 0; i < n_ff; ++i) {
         for (int64_t t = 0; t < n_tok; ++t) {
             const float s = *(const float *) ((const char *) score->data + i * score->nb[0] + t * score->nb[1]);
-            if (s > threshold) {
+            const bool on = rule == PI_ACTIVE_ABOVE    ? s > threshold
+                          : rule == PI_ACTIVE_AT_LEAST ? s >= threshold
+                                                       : s != 0.0f;  // NaN counts: it must reach the output
+            if (on) {
                 if (skip && skip[i]) {
                     ++n_skipped;
                 } else {
@@ -42,6 +44,21 @@ static void active_index_op(struct ggml_tensor * dst, int ith, int nth, void * u
     out[n_ff + 1] = out[n_ff + 2] = 0;
     stat->n_active += n + n_skipped;
     stat->n_total  += n_ff;
+}
+
+static void active_above_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    active_index(dst, ith, userdata, PI_ACTIVE_ABOVE);
+}
+
+static void active_at_least_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    active_index(dst, ith, userdata, PI_ACTIVE_AT_LEAST);
+}
+
+static void active_nonzero_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    active_index(dst, ith, userdata, PI_ACTIVE_NONZERO);
 }
 
 static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -67,10 +84,13 @@ struct ggml_tensor * pi_cold_index(struct ggml_context * ctx, struct ggml_tensor
     return ggml_custom_4d(ctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA, 1, 1, 1, args, 1, cold_index_op, 1, stat);
 }
 
-struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat) {
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, enum pi_active_rule rule,
+                                     struct pi_active_stat * stat) {
     GGML_ASSERT(score->type == GGML_TYPE_F32);
     struct ggml_tensor * args[1] = { score };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + PI_INDEX_EXTRA, 1, 1, 1, args, 1, active_index_op, 1, stat);
+    ggml_custom_op_t op = rule == PI_ACTIVE_ABOVE ? active_above_op : rule == PI_ACTIVE_AT_LEAST ? active_at_least_op
+                                                                                               : active_nonzero_op;
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + PI_INDEX_EXTRA, 1, 1, 1, args, 1, op, 1, stat);
 }
 
 // ---- activation histogram (calibration) ---------------------------------------------------
@@ -139,22 +159,6 @@ static inline struct pi_next_rows next_rows(const struct ggml_tensor * w, const 
 static void split_active(int32_t n_active, int ith, int nth, int32_t * k0, int32_t * k1) {
     *k0 = (int32_t) ((int64_t) n_active * ith / nth);
     *k1 = (int32_t) ((int64_t) n_active * (ith + 1) / nth);
-}
-
-static _Thread_local float * g_row_buf;
-static _Thread_local size_t  g_row_cap;
-
-// Per-thread scratch of n floats (a dequantized row); NULL if out of memory.
-static float * row_buffer(size_t n) {
-    if (n > g_row_cap) {
-        float * p = realloc(g_row_buf, n * sizeof(float));
-        if (!p) {
-            return NULL;
-        }
-        g_row_buf = p;
-        g_row_cap = n;
-    }
-    return g_row_buf;
 }
 
 // ---- row-sparse matvec (up, gate) ------------------------------------------------------
@@ -226,12 +230,12 @@ static inline void axpy_push(struct axpy_group * g, const void * row, float a) {
 
 // Returns whether out was written (so the caller knows when out is still uninitialized:
 // `init` asks the first call into out to start from 0 instead of reading it).
-static inline bool axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out, float * row_f32,
+static inline bool axpy_flush(struct axpy_group * g, enum ggml_type type, int64_t n, float * out,
                               const struct pi_next_rows * next, bool init) {
     if (g->n == 0) {
         return false;
     }
-    pi_rows_axpy(type, n, g->rows, g->a, g->n, out, row_f32, next, init);
+    pi_rows_axpy(type, n, g->rows, g->a, g->n, out, next, init);
     g->n = 0;
     return true;
 }
@@ -256,8 +260,6 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
     if (len == 0) {
         return;
     }
-    float * row = row_buffer((size_t) len);
-    GGML_ASSERT(row);
     const size_t slice_off = ggml_row_size(wt->type, c0), slice_bytes = ggml_row_size(wt->type, len);
     for (int64_t t = 0; t < n_tok; ++t) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]) + c0;
@@ -269,7 +271,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
             for (int j = 0; j < cur.k; ++j) {
                 axpy_push(&g, cur.rows[j], *(const float *) ((const char *) h->data + (size_t) idx[1 + k + j] * h->nb[0] + t * h->nb[1]));
             }
-            axpy_flush(&g, wt->type, len, out, row, &nxt, false);
+            axpy_flush(&g, wt->type, len, out, &nxt, false);
             cur = nxt;
         }
     }
@@ -357,8 +359,6 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
     // into its own partial. The last thread out zeroes the counters for the next run.
     int32_t * claimed  = (int32_t *) idx + up->ne[1] + 1;
     int32_t * finished = claimed + 1;
-    float * row = row_buffer((size_t) n_embd);
-    GGML_ASSERT(row);
     for (int32_t c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED); c < n_chunks;
          c = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED)) {
         float * part = (float *) ((char *) dst->data + (size_t) c * dst->nb[2]);
@@ -400,7 +400,7 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
                 if (grp.n == 0 && last) {
                     for (int j = 0; j < wt_nxt.k; ++j) pi_prefetch(wt_nxt.rows[j], wt_nxt.bytes);
                 }
-                written[t] |= axpy_flush(&grp, wt->type, n_embd, out, row, last ? &wt_nxt : NULL, !written[t]);
+                written[t] |= axpy_flush(&grp, wt->type, n_embd, out, last ? &wt_nxt : NULL, !written[t]);
             }
             up_cur = up_nxt;
             gate_cur = gate_nxt;

@@ -41,11 +41,19 @@ struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct g
 // fused operator's threads share out its work (the list's makers zero them).
 #define PI_INDEX_EXTRA 3
 
+// When a neuron's score makes it active (tau: stat->threshold).
+enum pi_active_rule {
+    PI_ACTIVE_ABOVE,    // score > tau: gate mode (|act(gate)|, or act(gate) for ReLU)
+    PI_ACTIVE_AT_LEAST, // score >= tau: predictor mode (PowerInfer skips a neuron iff logit < tau)
+    PI_ACTIVE_NONZERO,  // score != 0, tau and stat->skip ignored: the exact AXPY of a dense FFN
+};
+
 // score: F32 [n_ff, T]. Result: an active list: element 0 is the number of active
 // neurons n, elements 1..n their ids in ascending order, where a neuron is active if
-// score > stat->threshold for any token (the union over the batch), leaving out neurons
+// its score passes `rule` for any token (the union over the batch), leaving out neurons
 // with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
-struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, struct pi_active_stat * stat);
+struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, enum pi_active_rule rule,
+                                     struct pi_active_stat * stat);
 
 // Every neuron not in stat->skip, as a list like pi_active_index's (hybrid placement, for
 // batches above the sparse crossover). ref only orders the op in the graph.
