@@ -385,3 +385,60 @@ def test_split_q4_0_model(tmp_path, mode):
         same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens)) + 1
         err = np.max(np.abs(logits[:same] - ref_logits[:same])) / np.max(np.abs(ref_logits))
         assert err <= 0.03, (share, err)
+
+
+def test_later_contexts_count_in_the_budget(tiny):
+    """A second context on a placed model puts its own compute buffers on the device: they
+    count against the budget, a context that does not fit is refused with a clear error,
+    and freeing a context gives its room back."""
+    from powerinfer_py._core import Context, Model, PowerInferError
+
+    path = tiny["tiny-q8"]
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    ctx_kw = dict(n_ctx=256, n_batch=32, n_threads=2)
+    budget = fixed + ffn // 2 + (256 << 10)
+    model = Model(path, sparse_mode=lib.POWERINFER_SPARSE_PREDICTOR, vram_budget_bytes=budget, emulate_device=True,
+                  reset_gpu_index=True)
+    try:
+        first = Context(model, **ctx_kw)
+        p1 = first.placement()
+        assert p1["active"] and p1["bytes_total"] <= budget
+        left = budget - p1["bytes_total"]
+        # a context whose compute buffers need more than what is left: refused
+        with pytest.raises(PowerInferError, match="compute buffers need .* MiB left"):
+            Context(model, n_ctx=256, n_batch=256, n_threads=2)
+        # a small one fits, and is counted
+        second = Context(model, n_ctx=256, n_batch=1, n_threads=2)
+        p2 = second.placement()
+        assert p1["bytes_total"] < p2["bytes_total"] <= budget, (p1, p2, left)
+        assert p2["bytes_compute"] > p1["bytes_compute"]
+        second.close()
+        assert first.placement()["bytes_total"] == p1["bytes_total"]
+        # the first context's size does not fit next to it; without the first context (its
+        # KV cache and compute buffers gone) it does
+        with pytest.raises(PowerInferError, match="compute buffers need"):
+            Context(model, **ctx_kw)
+        first.close()
+        third = Context(model, **ctx_kw)
+        p3 = third.placement()
+        assert p3["bytes_kv"] == 0 and p3["bytes_total"] <= budget, p3
+        third.close()
+    finally:
+        model.close()
+
+
+def test_ffn_rows_placed_when_the_kv_cache_does_not_fit(tiny):
+    """docs/hybrid.md: FFN rows need every dense class on the device, not the KV cache;
+    when the cache does not fit, the rows use the room that is left. A budget of the
+    dense classes, the
+    compute buffers and a quarter of the rows holds rows but not the cache."""
+    path = tiny["tiny-q8"]
+    fixed, ffn = _fixed_and_ffn(path, "predictor")
+    full = _load(path, budget=1.0, emulate=True, reset_gpu_index=True)
+    kv = full.placement()["bytes_kv"]
+    full.close()
+    budget = fixed - kv + ffn // 4 + (64 << 10)
+    llm = _load(path, budget=budget / 2**30, emulate=True, reset_gpu_index=True)
+    p = llm.placement()
+    llm.close()
+    assert p["bytes_kv"] == 0 and p["n_hot"] > 0 and p["bytes_total"] <= p["budget"], p

@@ -142,21 +142,25 @@ static int32_t host_move_kv(void * self, ggml_backend_buffer_type_t buft, uint64
 // and lets its sparse operators skip the neurons on the device.
 static int32_t place(struct powerinfer_context * ctx) {
     struct powerinfer_model * model = ctx->model;
+    const struct pi_placement_host host = {
+        .self             = ctx,
+        .compute_estimate = ctx->galloc ? ggml_gallocr_get_buffer_size(ctx->galloc, 0) : 0,
+        .kv_bytes         = ggml_backend_buffer_get_size(ctx->kv.buf),
+        .move_kv          = host_move_kv,
+        .measure_compute  = host_measure_compute,
+        .drop_scheduler   = host_drop_scheduler,
+    };
     if (!model->placement.decided) {
-        const struct pi_placement_host host = {
-            .self             = ctx,
-            .compute_estimate = ctx->galloc ? ggml_gallocr_get_buffer_size(ctx->galloc, 0) : 0,
-            .kv_bytes         = ggml_backend_buffer_get_size(ctx->kv.buf),
-            .move_kv          = host_move_kv,
-            .measure_compute  = host_measure_compute,
-            .drop_scheduler   = host_drop_scheduler,
-        };
         const int32_t rc = pi_placement_decide(model, &host);
         if (rc != POWERINFER_OK) {
             return rc;
         }
+        ctx->placed_first = model->placement.active;
+        model->placement.first_alive = model->placement.active;
     } else if (model->placement.active) {
-        const int32_t rc = make_sched(ctx);
+        // A later context: the KV cache stays in host memory; its compute buffers' device
+        // share must fit in what the budget leaves.
+        const int32_t rc = pi_placement_admit(model, &host, &ctx->device_bytes);
         if (rc != POWERINFER_OK) {
             return rc;
         }
@@ -250,6 +254,9 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
 void powerinfer_context_free(struct powerinfer_context * ctx) {
     if (!ctx) {
         return;
+    }
+    if (ctx->model && (ctx->placed_first || ctx->device_bytes)) {
+        pi_placement_release(ctx->model, ctx->placed_first, ctx->device_bytes);
     }
     pi_kv_cache_free(&ctx->kv);
     if (ctx->sched)   ggml_backend_sched_free(ctx->sched);

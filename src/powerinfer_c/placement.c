@@ -347,6 +347,42 @@ static uint64_t placement_total(const struct pi_placement * pl) {
     return pl->bytes_dense + pl->bytes_kv + pl->bytes_compute + pl->bytes_ffn;
 }
 
+// What the device holds now: the placed weights, the deciding context's KV cache and
+// compute buffers while it exists, and the later contexts' compute buffers.
+static uint64_t device_in_use(const struct pi_placement * pl) {
+    return pl->bytes_dense + pl->bytes_ffn + (pl->first_alive ? pl->bytes_kv + pl->bytes_compute : 0) + pl->bytes_contexts;
+}
+
+int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes) {
+    struct pi_placement * pl = &model->placement;
+    *device_bytes = 0;
+    uint64_t need = 0;
+    int32_t rc = host->measure_compute(host->self, &need);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const uint64_t used = device_in_use(pl);
+    if (used + need > pl->budget) {
+        host->drop_scheduler(host->self);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY,
+                       "this context's compute buffers need %.1f MiB of device memory, but the model's %.1f MiB budget "
+                       "has %.1f MiB left (its placement and other contexts hold the rest); use a smaller n_batch or "
+                       "n_ctx, free another context, or load the model with a larger budget",
+                       need / 1048576.0, pl->budget / 1048576.0, (used < pl->budget ? pl->budget - used : 0) / 1048576.0);
+    }
+    pl->bytes_contexts += need;
+    *device_bytes = need;
+    return POWERINFER_OK;
+}
+
+void pi_placement_release(struct powerinfer_model * model, bool first, uint64_t device_bytes) {
+    struct pi_placement * pl = &model->placement;
+    if (first) {
+        pl->first_alive = false;
+    }
+    pl->bytes_contexts -= device_bytes < pl->bytes_contexts ? device_bytes : pl->bytes_contexts;
+}
+
 // Re-measures the compute buffers with what is placed now.
 static int32_t remeasure(struct pi_placement * pl, const struct pi_placement_host * host) {
     return host->measure_compute(host->self, &pl->bytes_compute);
@@ -583,10 +619,10 @@ int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct p
     out->from_cache    = pl->from_cache;
     out->budget        = (int64_t) pl->budget;
     out->bytes_dense   = (int64_t) pl->bytes_dense;
-    out->bytes_kv      = (int64_t) pl->bytes_kv;
-    out->bytes_compute = (int64_t) pl->bytes_compute;
+    out->bytes_kv      = (int64_t) (pl->first_alive ? pl->bytes_kv : 0);
+    out->bytes_compute = (int64_t) ((pl->first_alive ? pl->bytes_compute : 0) + pl->bytes_contexts);
     out->bytes_ffn     = (int64_t) pl->bytes_ffn;
-    out->bytes_total   = (int64_t) placement_total(pl);
+    out->bytes_total   = (int64_t) device_in_use(pl);
     out->n_layers_attn = pl->n_layers_attn;
     for (int32_t il = 0; il < model->hp.n_layer; ++il) out->n_hot += model->offload.layers[il].n_hot;
     out->n_neurons = (int64_t) model->hp.n_layer * model->hp.n_ff;

@@ -146,6 +146,8 @@ struct pi_placement {
     struct pi_device device;
     uint64_t         budget;
     uint64_t         bytes_dense, bytes_kv, bytes_compute, bytes_ffn;
+    bool             first_alive;    // the deciding context (bytes_kv, bytes_compute) still exists
+    uint64_t         bytes_contexts; // device compute buffers of the model's later contexts
     int32_t          n_layers_attn; // layers whose attention weights are on the device
 };
 
@@ -165,6 +167,11 @@ struct pi_placement_host {
 
 // Decides and performs the placement (once per model; a no-op without a budget or a device).
 int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_placement_host * host);
+// A later context of a placed model: measures its compute buffers' device share into
+// *device_bytes and fails (nothing counted) when they do not fit in what the budget leaves.
+int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes);
+// A context goes away: its device bytes no longer count (first: it was the deciding one).
+void    pi_placement_release(struct powerinfer_model * model, bool first, uint64_t device_bytes);
 void    pi_placement_free(struct powerinfer_model * model);
 // Per-neuron activation counts of layer il (set by powerinfer_model_set_act_counts, else
 // the file's blk.N.ffn_act_count) into out[n_ff]; false when there are none.
@@ -342,6 +349,8 @@ struct powerinfer_context {
 
     // Hybrid placement: the scheduler over [device, CPU] (or [CPU] when emulated).
     ggml_backend_sched_t sched;
+    bool                 placed_first;  // this context decided the placement (its KV cache may be on the device)
+    uint64_t             device_bytes;  // a later context's compute buffers on the device, counted in the budget
 
     // The last graph built; reused while the shapes stay the same (single-token decode
     // steps within one 256-cell span of the cache), which skips building and allocating.
