@@ -50,6 +50,18 @@ def _greedy(llm):
     return out, np.array(logits)
 
 
+def _logits_along(llm, tokens):
+    """The logits before each of `tokens` after PROMPT, feeding `tokens` (teacher forcing):
+    comparable step by step with another engine's _greedy() even where choices differ."""
+    llm.reset()
+    llm.eval(llm.tokenize(PROMPT.encode()))
+    logits = []
+    for t in tokens:
+        logits.append(np.array(llm._last_logits_view(), dtype=np.float64))
+        llm.eval([t])
+    return np.array(logits)
+
+
 def _fixed_and_ffn(path, mode):
     """Device bytes apart from the FFN rows, and the FFN rows' bytes at 100%."""
     llm = _load(path, mode, budget=1.0, emulate=True, reset_gpu_index=True)
@@ -80,8 +92,15 @@ def test_split_equals_unsplit(tiny, name, mode):
         assert p["active"] and p["emulated"]
         assert p["bytes_total"] <= p["budget"] == int(budget / 2**30 * 2**30), p  # bytes, exactly
         frac = p["n_hot"] / p["n_neurons"]
-        # neurons go in groups of 32 (an eighth of a tiny layer)
-        assert share - 0.15 <= frac <= share + margin / ffn + 0.15, (share, frac, p)
+        assert frac >= share - 0.15, (share, frac, p)  # neurons go in groups of 32 (an eighth of a tiny layer)
+        # The budget is used: unless every neuron is placed, what is left is under the
+        # engine's reserve for the compute buffers' growth (1/64 of them + 64 KiB) plus a
+        # few groups' rows (whole groups, and a shrink when the re-measured buffers grew).
+        group = ffn / (p["n_neurons"] // 32)
+        if share == 1.0:
+            assert frac == 1.0, p
+        elif frac < 1.0:
+            assert p["budget"] - p["bytes_total"] <= p["bytes_compute"] // 64 + (64 << 10) + 6 * group, (share, p)
         assert tokens == ref_tokens, (share, p)
         # Device rows are summed by ggml's matmul in another order, and a quantized
         # model's down columns are requantized to Q8_0 (half a Q8_0 step per weight):
@@ -369,8 +388,8 @@ def test_split_q4_0_model(tmp_path, mode):
     """Q4_0 (whose dense weights the CPU backend repacks): the device copies must come from
     the file's row layout. Kernel-order differences under 8-bit activation quantization
     move logits by about 1% of their scale, which can flip a near-tie between two tokens
-    of a random synthetic model, so this compares the logits of the steps before any
-    divergence rather than whole token sequences."""
+    of a random synthetic model, so the split model is fed the reference's tokens and its
+    logits are compared at every step; its own greedy choice may differ only at a near-tie."""
     path = generate(PRESETS["small"], tmp_path, progress=False)["powerinfer"]
     ref = _load(path, mode)
     ref_tokens, ref_logits = _greedy(ref)
@@ -378,13 +397,17 @@ def test_split_q4_0_model(tmp_path, mode):
     fixed, ffn = _fixed_and_ffn(path, mode)
     for share in (0.5, 1.0):
         llm = _load(path, mode, budget=(fixed + int(share * ffn) + (64 << 10)) / 2**30, emulate=True, reset_gpu_index=True)
-        tokens, logits = _greedy(llm)
+        logits = _logits_along(llm, ref_tokens)
         p = llm.placement()
         llm.close()
         assert p["n_hot"] > 0 and p["bytes_total"] <= p["budget"]
-        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens)) + 1
-        err = np.max(np.abs(logits[:same] - ref_logits[:same])) / np.max(np.abs(ref_logits))
+        scale = np.max(np.abs(ref_logits))
+        err = np.max(np.abs(logits - ref_logits)) / scale
         assert err <= 0.03, (share, err)
+        for step, (row, ref_row) in enumerate(zip(logits, ref_logits)):
+            if int(np.argmax(row)) != ref_tokens[step]:  # only where the reference's top two are within 2 x the tolerance
+                top2 = np.sort(ref_row)[-2:]
+                assert top2[1] - top2[0] <= 2 * 0.03 * scale, (share, step)
 
 
 def test_later_contexts_count_in_the_budget(tiny):
