@@ -36,6 +36,16 @@ static struct llama_model * load_vocab_of_powerinfer_file(const struct powerinfe
         if (strcmp(model->arch_name, "bamboo") == 0) {
             gguf_set_val_str(g, "general.architecture", "llama");
         }
+        // PowerInfer's converter predates tokenizer.ggml.pre and writes none, so libllama
+        // would split Falcon's text with its default BPE rules (" 1234" then differs from
+        // Hugging Face's tokenizer). A PWRI Falcon's BPE vocabulary is Falcon's own.
+        if (model->is_powerinfer && strcmp(model->arch_name, "falcon") == 0 &&
+            gguf_find_key(g, "tokenizer.ggml.pre") < 0) {
+            const int64_t tm = gguf_find_key(g, "tokenizer.ggml.model");
+            if (tm >= 0 && gguf_get_kv_type(g, tm) == GGUF_TYPE_STRING && strcmp(gguf_get_val_str(g, tm), "gpt2") == 0) {
+                gguf_set_val_str(g, "tokenizer.ggml.pre", "falcon");
+            }
+        }
         if (gguf_write_to_file(g, path, true)) {
             m = llama_model_load_from_file(path, mp);
         }
