@@ -57,20 +57,21 @@ def _pad(n: int) -> int:
 
 
 def pack_gguf(kvs: Sequence[bytes], tensors: Sequence[Tuple[str, int, Sequence[int], bytes]],
-              offsets: Optional[Sequence[int]] = None, magic: bytes = b"PWRI") -> bytes:
+              offsets: Optional[Sequence[int]] = None, magic: bytes = b"PWRI", alignment: int = ALIGN) -> bytes:
     """GGUF v3 as PowerInfer's gguf-py writes it: header, key/value pairs, tensor infos
-    (name, dims fastest first, type code, offset), padding, each tensor's data padded to 32.
-    `offsets` overrides the infos' offsets (crafted files)."""
+    (name, dims fastest first, type code, offset), padding, each tensor's data padded to
+    `alignment` (a general.alignment key, when not 32, is the caller's). `offsets`
+    overrides the infos' offsets (crafted files)."""
     head = magic + struct.pack("<IQQ", 3, len(tensors), len(kvs))
     infos, data, off = b"", b"", 0
     for i, (name, code, dims, payload) in enumerate(tensors):
         o = off if offsets is None else offsets[i]
         infos += _s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
         infos += struct.pack("<IQ", code, o)
-        data += payload + b"\0" * _pad(len(payload))
-        off += len(payload) + _pad(len(payload))
+        data += payload + b"\0" * (-len(payload) % alignment)
+        off += len(payload) + (-len(payload) % alignment)
     body = head + b"".join(kvs) + infos
-    return body + b"\0" * _pad(len(body)) + data
+    return body + b"\0" * (-len(body) % alignment) + data
 
 
 def read_gguf(blob: bytes):

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing of the C core's file readers with libFuzzer (clang), under
+# AddressSanitizer and UndefinedBehaviorSanitizer:
+#   fuzz-gguf    the PWRI/GGUF header reader (src/powerinfer_c/gguf_reader.c)
+#   fuzz-gpuidx  the gpuidx placement-cache parser (src/powerinfer_c/gpuidx.c)
+# Usage: scripts/fuzz_c.sh [SECONDS]     (each target runs SECONDS, default 60, one after
+#                                         the other; a 30-minute campaign: scripts/fuzz_c.sh 900)
+# Environment: FUZZ_TARGETS ("gguf gpuidx"), FUZZ_MAX_LEN (16384), FUZZ_JOBS (1: parallel
+# libFuzzer jobs per target, for machines with cores to spare).
+#
+# Installs clang and libFuzzer first when they are missing (Debian/Ubuntu, as root:
+# apt-get install clang libclang-rt-<N>-dev); the build goes to build-fuzz/ (git-ignored),
+# seeds are made at run time from the tests' crafted files (tests/fuzz/make_seeds.py), the
+# corpus grows in build-fuzz/corpus/ between runs, and a crashing input is saved as
+# build-fuzz/artifacts/<target>-crash-*. Prints executions, time and crashes per target;
+# exits 1 on any crash, 77 when no libFuzzer can be had here.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+SECONDS_EACH=${1:-60}
+TARGETS=${FUZZ_TARGETS:-gguf gpuidx}
+MAX_LEN=${FUZZ_MAX_LEN:-16384}
+JOBS=${FUZZ_JOBS:-1}
+OUT=$ROOT/build-fuzz
+
+note() { printf '==> %s\n' "$*"; }
+
+# ---- a clang that links -fsanitize=fuzzer
+find_clang() {
+    local c
+    for c in clang $(compgen -c clang- 2>/dev/null | grep -E '^clang-[0-9]+$' | sort -t- -k2 -rn | uniq); do
+        command -v "$c" >/dev/null 2>&1 || continue
+        if printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { return 0; }\n' |
+            "$c" -x c -fsanitize=fuzzer,address,undefined -o /dev/null - >/dev/null 2>&1; then
+            echo "$c"
+            return 0
+        fi
+    done
+    return 1
+}
+
+CLANG=$(find_clang || true)
+if [ -z "$CLANG" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    note "installing clang and libFuzzer (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends clang >/dev/null
+    # libFuzzer's runtime is a separate package (only recommended by clang's): libclang-rt-<major>-dev
+    major=$(clang --version 2>/dev/null | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1)
+    if [ -n "$major" ]; then
+        apt-get install -y -qq --no-install-recommends "libclang-rt-$major-dev" >/dev/null 2>&1 || true
+    fi
+    CLANG=$(find_clang || true)
+fi
+if [ -z "$CLANG" ]; then
+    echo "fuzz_c.sh: no clang with libFuzzer (-fsanitize=fuzzer) here, and none could be installed" >&2
+    exit 77
+fi
+note "compiler: $CLANG ($("$CLANG" --version | head -1))"
+
+# ---- the build (the core's readers and the fuzz targets only)
+[ -x .venv/bin/python ] || ./scripts/setup.sh
+CMAKE=cmake
+[ -x .venv/bin/cmake ] && CMAKE=.venv/bin/cmake
+"$CMAKE" -S . -B "$OUT" -DCMAKE_C_COMPILER="$(command -v "$CLANG")" -DPOWERINFER_FUZZ=ON \
+    -DPython3_EXECUTABLE="$ROOT/.venv/bin/python" -DCMAKE_BUILD_TYPE=Release >"$OUT.cmake.log" 2>&1 ||
+    { cat "$OUT.cmake.log" >&2; exit 1; }
+rm -f "$OUT.cmake.log"
+"$CMAKE" --build "$OUT" -j "$(nproc 2>/dev/null || echo 2)" --target $(printf 'fuzz-%s ' $TARGETS) >/dev/null
+
+# ---- seeds from the tests' files, regenerated each run
+rm -rf "$OUT/seeds"
+.venv/bin/python tests/fuzz/make_seeds.py "$OUT/seeds"
+mkdir -p "$OUT/artifacts" "$OUT/logs"
+
+status=0
+summary=()
+for t in $TARGETS; do
+    corpus=$OUT/corpus/$t
+    mkdir -p "$corpus"
+    log=$OUT/logs/$t.log
+    note "fuzz-$t for ${SECONDS_EACH}s (corpus $corpus, log $log)"
+    before=$(find "$OUT/artifacts" -name "$t-*" -type f | wc -l)
+    args=(-max_total_time="$SECONDS_EACH" -max_len="$MAX_LEN" -timeout=10 -rss_limit_mb=2048
+          -dict=tests/fuzz/gguf.dict -artifact_prefix="$OUT/artifacts/$t-" -print_final_stats=1)
+    [ "$JOBS" -gt 1 ] && args+=(-fork="$JOBS" -ignore_crashes=0)
+    rc=0
+    t0=$(date +%s)
+    "$OUT/bin/fuzz-$t" "${args[@]}" "$corpus" "$OUT/seeds/$t" >"$log" 2>&1 || rc=$?
+    elapsed=$(( $(date +%s) - t0 ))
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+    if [ -z "$execs" ]; then  # fork mode prints its totals on the status lines
+        execs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#')
+    fi
+    crashes=$(( $(find "$OUT/artifacts" -name "$t-*" -type f | wc -l) - before ))
+    if [ "$rc" -ne 0 ]; then
+        status=1
+        [ "$crashes" -gt 0 ] || crashes=1
+        tail -40 "$log" >&2
+    fi
+    summary+=("fuzz-$t: ${execs:-0} executions in ${elapsed} s, crashes: $crashes (exit $rc), corpus $(find "$corpus" -type f | wc -l) files")
+done
+printf '\n'
+printf '%s\n' "${summary[@]}"
+exit $status
