@@ -5,19 +5,39 @@ fields of langchain-community's `LlamaCpp`, `ChatLlamaCpp` and `LlamaCppEmbeddin
 (plus `vram_budget`, `sparse_mode`, `sparse_threshold`). Install the extra with
 `pip install 'powerinfer-py[langchain]'`.
 
-A Llama is not thread-safe and LangChain runs batches on a thread pool, so every call
-holds a lock per Llama instance (a stream holds it until it is exhausted or closed).
+Concurrency. A Llama is not thread-safe and LangChain runs batches on a thread pool, so
+the calls on one Llama (through any number of wrappers) take turns:
+
+- a call (`invoke`, `batch` items, embeddings) holds the Llama while it runs;
+- a stream holds it only while it computes its next chunk. Between chunks it stays
+  *open*: the Llama's state belongs to it until it is exhausted, closed or collected;
+- a call from another thread or asyncio task waits until the open stream ends, so
+  concurrent streams and calls are served one after another, each complete;
+- a call from the thread or task that is consuming the open stream (or whose consumer
+  thread or task has ended) cannot be waiting for that stream to progress, so it
+  cancels the stream instead of deadlocking: the call runs at once, and the cancelled
+  stream raises `StreamCancelledError` (a RuntimeError) if it is resumed. To keep two
+  generations going at once, use two Llama instances. To end a stream early, `close()`
+  it (a `for` loop left by `break` closes it when it is garbage-collected, which the
+  next call does not need to wait for either).
+
+The async methods (`ainvoke`, `astream`, ...) wait for their turn in the event loop,
+not in an executor thread, and count as their asyncio task.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import threading
 import weakref
 from operator import itemgetter
-from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Type, Union
+from typing import (Any, AsyncIterator, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Type,
+                    Union)
 
 try:
-    from langchain_core.callbacks import CallbackManagerForLLMRun
+    from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
     from langchain_core.embeddings import Embeddings
     from langchain_core.language_models import LanguageModelInput
     from langchain_core.language_models.chat_models import BaseChatModel
@@ -37,39 +57,292 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "pip install 'powerinfer-py[langchain]'"
     ) from e
 
-__all__ = ["PowerInferLLM", "ChatPowerInfer", "PowerInferEmbeddings"]
+__all__ = ["PowerInferLLM", "ChatPowerInfer", "PowerInferEmbeddings", "StreamCancelledError"]
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
 # ---------------------------------------------------------------------------- shared
 
 
-_locks: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
-_locks_guard = threading.Lock()
+class _Task:
+    """An asyncio task as a consumer, with the task that started it (as far as our async
+    methods saw: each records its task in a context variable, which tasks started
+    afterwards inherit), so that a call from a task that the stream's own task is
+    awaiting counts as that task's."""
+
+    __slots__ = ("task", "parent")
+
+    def __init__(self, task: "asyncio.Task[Any]", parent: "Optional[_Task]"):
+        self.task, self.parent = task, parent
+
+    def lineage(self) -> Iterator["asyncio.Task[Any]"]:
+        node: Optional[_Task] = self
+        while node is not None:
+            yield node.task
+            node = node.parent
 
 
-def _lock_for(client: Any) -> threading.Lock:
-    """The lock of one Llama, shared by every wrapper around it. A plain Lock, not an
-    RLock: LangChain's async paths step a stream from different executor threads."""
-    with _locks_guard:
-        lock = _locks.get(client)
-        if lock is None:
-            lock = _locks[client] = threading.Lock()
-        return lock
+_consumer_var: "contextvars.ContextVar[Optional[_Task]]" = contextvars.ContextVar(
+    "powerinfer_langchain_task", default=None
+)
+
+
+def _consumer() -> Any:
+    """Who is calling: the asyncio task when running in an event loop; in a worker thread
+    that LangChain runs an async call in (its run_in_executor copies the context), the
+    task that our async method recorded; otherwise the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop running in this thread
+        task = None
+    recorded = _consumer_var.get()
+    if task is None:
+        return recorded if recorded is not None else threading.current_thread()
+    if recorded is not None and recorded.task is task:
+        return recorded
+    return _Task(task, recorded)
+
+
+def _same_consumer(owner: Any, caller: Any) -> bool:
+    """Whether `caller` is the stream owner itself, or a task started by the owner task."""
+    if owner is caller:
+        return True
+    if isinstance(owner, _Task) and isinstance(caller, _Task):
+        return any(t is owner.task for t in caller.lineage())
+    return False
+
+
+def _alive(consumer: Any) -> bool:
+    """Whether a stream's consumer (a thread or an asyncio task) can still step it."""
+    if isinstance(consumer, threading.Thread):
+        return consumer.is_alive()
+    if isinstance(consumer, _Task):
+        return not consumer.task.done()
+    return True
+
+
+class StreamCancelledError(RuntimeError):
+    """Raised by a stream resumed after another call from the same thread or task used its
+    model: the model's state has moved on, so the stream cannot continue."""
+
+
+class _OpenStream:
+    """A stream that has started and not finished: it reserves its Llama between steps."""
+
+    __slots__ = ("consumer", "iterator", "cancelled", "abandoned")
+
+    def __init__(self, consumer: Any):
+        self.consumer = consumer
+        self.iterator: Any = None
+        self.cancelled = False  # closed by a later call of the same consumer
+        self.abandoned = False  # closed or garbage-collected while suspended, not yet cleaned up
+
+    def close_iterator(self) -> None:
+        close = getattr(self.iterator, "close", None)
+        self.iterator = None
+        if close is not None:
+            close()
+
+
+class _Gate:
+    """The use of one Llama, shared by every wrapper around it.
+
+    `busy` is held while a call or one step of a stream runs; a suspended stream does not
+    hold it, but stays `open` (the Llama's state belongs to it) until it ends. A caller
+    waits while the Llama is busy, or while another thread's or task's stream is open;
+    an open stream of the caller's own thread or task (which the caller is evidently
+    not consuming) is cancelled instead, and so is one that was abandoned. So a kept
+    stream can never block its own thread, and every wait is for work that another
+    thread or task is doing.
+
+    Cleanup of a stream closed by garbage collection never blocks: the finalizer may run
+    in the middle of any code, even in a thread inside this gate, so it only marks the
+    stream abandoned (and cleans up at once when it can take the gate without waiting);
+    waiters re-check every 0.25 s."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
+        self._busy = False
+        self._open: Optional[_OpenStream] = None
+        self._reserved: Any = None  # an async caller admitted in the event loop, on its way to acquire()
+
+    def _admits(self, consumer: Any) -> bool:  # under the mutex
+        if self._busy:
+            return False
+        r = self._reserved
+        if r is not None and not _same_consumer(r, consumer) and _alive(r):
+            return False
+        s = self._open
+        return s is None or s.abandoned or _same_consumer(s.consumer, consumer) or not _alive(s.consumer)
+
+    def acquire(self, consumer: Any) -> None:
+        """Take the Llama for a new call or stream of `consumer`."""
+        stale = None
+        with self._cond:
+            while not self._admits(consumer):
+                self._cond.wait(0.25)
+            self._busy = True
+            self._reserved = None
+            if self._open is not None:
+                stale, self._open = self._open, None
+                stale.cancelled = not stale.abandoned
+        if stale is not None:
+            try:
+                stale.close_iterator()  # the Llama's generator: clears its sampler
+            except Exception:  # pragma: no cover - closing a generator does not raise
+                pass
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    async def wait_async(self, consumer: Any) -> None:
+        """Wait in the event loop until `consumer` is admitted, and reserve the Llama for
+        it until its worker thread calls acquire(): the async paths must not wait in
+        executor threads, which the steps of the stream they wait for need."""
+        delay = 0.002
+        while True:
+            with self._mutex:
+                if self._admits(consumer):
+                    self._reserved = consumer
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def unreserve(self, consumer: Any) -> None:
+        """Drop a reservation that acquire() did not take (the call failed or was cancelled)."""
+        with self._cond:
+            if self._reserved is consumer:
+                self._reserved = None
+                self._cond.notify_all()
+
+    def open(self, stream: _OpenStream) -> None:
+        with self._mutex:
+            self._open = stream
+
+    def resume(self, stream: _OpenStream) -> None:
+        """Take the Llama again for the next step of `stream`, for whoever steps it now."""
+        consumer = _consumer()
+        with self._cond:
+            stream.consumer = consumer
+            while not stream.cancelled and self._busy:
+                self._cond.wait(0.25)
+            if stream.cancelled:
+                raise StreamCancelledError(
+                    "this stream was cancelled: another call on the same model was made from the thread or task "
+                    "that had started it before the stream was finished (consume or close() a stream before the "
+                    "next call)"
+                )
+            self._busy = True
+
+    def finish(self, stream: _OpenStream) -> None:
+        """The stream ended while stepping (busy is held): close it, free the Llama."""
+        try:
+            stream.close_iterator()
+        finally:
+            with self._cond:
+                if self._open is stream:
+                    self._open = None
+                self._busy = False
+                self._cond.notify_all()
+
+    def abandon(self, stream: _OpenStream) -> None:
+        """The stream was closed while suspended (close(), or garbage collection). Never blocks."""
+        if stream.cancelled:
+            return
+        stream.abandoned = True
+        if not self._mutex.acquire(blocking=False):
+            return  # a later caller (or a waiter's re-check) cleans up
+        try:
+            if self._busy or self._open is not stream:
+                return
+            self._busy = True
+            self._open = None
+        finally:
+            self._mutex.release()
+        try:
+            stream.close_iterator()
+        finally:
+            self.release()
+
+
+_gates: "weakref.WeakKeyDictionary[Any, _Gate]" = weakref.WeakKeyDictionary()
+_gates_guard = threading.Lock()
+
+
+def _gate_for(client: Any) -> _Gate:
+    with _gates_guard:
+        gate = _gates.get(client)
+        if gate is None:
+            gate = _gates[client] = _Gate()
+        return gate
+
+
+@contextlib.contextmanager
+def _using(client: Any) -> Iterator[None]:
+    """Hold the client's Llama for one whole call."""
+    gate = _gate_for(client)
+    gate.acquire(_consumer())
+    try:
+        yield
+    finally:
+        gate.release()
 
 
 def _locked_stream(client: Any, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """Iterate start() while holding the client's lock; released when the stream ends or
-    is closed (an abandoned stream is closed when it is garbage-collected)."""
-    lock = _lock_for(client)
-    with lock:
-        iterator = start()
-        try:
-            yield from iterator
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
+    """Iterate start(), holding the client's Llama during each step only (see _Gate)."""
+    gate = _gate_for(client)
+    stream = _OpenStream(_consumer())
+    gate.acquire(stream.consumer)
+    stepping = True
+    try:
+        stream.iterator = start()
+        gate.open(stream)
+        while True:
+            try:
+                item = next(stream.iterator)
+            except StopIteration:
+                return
+            stepping = False
+            gate.release()
+            yield item
+            gate.resume(stream)
+            stepping = True
+    finally:
+        if stepping:
+            gate.finish(stream)
+        else:
+            gate.abandon(stream)
+
+
+async def _in_task(client: Any, call: Callable[[], Any]) -> Any:
+    """Run an async LangChain method as the current task (recorded for the worker threads
+    it uses), after waiting in the event loop until the model is free for it."""
+    me = _consumer()
+    token = _consumer_var.set(me)
+    gate = _gate_for(client)
+    try:
+        await gate.wait_async(me)
+        return await call()
+    finally:
+        gate.unreserve(me)
+        _consumer_var.reset(token)
+
+
+async def _astream_in_task(client: Any, agen_factory: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    me = _consumer()
+    # Set without a reset: an async generator runs in its consumer task's context, and
+    # tasks that this one starts while it keeps the stream must inherit it (see _Task).
+    _consumer_var.set(me)
+    gate = _gate_for(client)
+    try:
+        await gate.wait_async(me)
+        async for item in agen_factory():
+            yield item
+    finally:
+        gate.unreserve(me)
 
 
 class _LlamaFields(BaseModel):
@@ -201,7 +474,7 @@ class PowerInferLLM(_LlamaFields, LLM):
         if self.streaming:
             return "".join(chunk.text for chunk in self._stream(prompt, stop, run_manager, **kwargs))
         params = self._params(stop, kwargs)
-        with _lock_for(self.client):
+        with _using(self.client):
             result = self.client.create_completion(prompt, **params)
         return result["choices"][0]["text"]
 
@@ -222,6 +495,27 @@ class PowerInferLLM(_LlamaFields, LLM):
             )
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk, verbose=self.verbose, log_probs=logprobs)
+            yield chunk
+
+    async def _acall(
+        self,
+        prompt: str,
+        stop: Optional[List[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> str:
+        base = super(PowerInferLLM, self)._acall
+        return await _in_task(self.client, lambda: base(prompt, stop, run_manager, **kwargs))
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: Optional[List[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        base = super(PowerInferLLM, self)._astream
+        async for chunk in _astream_in_task(self.client, lambda: base(prompt, stop, run_manager, **kwargs)):
             yield chunk
 
     def get_num_tokens(self, text: str) -> int:
@@ -329,7 +623,7 @@ class ChatPowerInfer(_LlamaFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         params = self._params(stop, kwargs)
-        with _lock_for(self.client):
+        with _using(self.client):
             response = self.client.create_chat_completion(messages=convert_to_openai_messages(messages), **params)
         generations = []
         for choice in response["choices"]:
@@ -388,6 +682,27 @@ class ChatPowerInfer(_LlamaFields, BaseChatModel):
             )
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _agenerate(
+        self,
+        messages: List[BaseMessage],
+        stop: Optional[List[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        base = super(ChatPowerInfer, self)._agenerate
+        return await _in_task(self.client, lambda: base(messages, stop, run_manager, **kwargs))
+
+    async def _astream(
+        self,
+        messages: List[BaseMessage],
+        stop: Optional[List[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        base = super(ChatPowerInfer, self)._astream
+        async for chunk in _astream_in_task(self.client, lambda: base(messages, stop, run_manager, **kwargs)):
             yield chunk
 
     def bind_tools(
@@ -483,14 +798,22 @@ class PowerInferEmbeddings(_LlamaFields, Embeddings):
     def embed_documents(self, texts: List[str]) -> List[List[float]]:
         if not texts:
             return []
-        with _lock_for(self.client):
+        with _using(self.client):
             response = self.client.create_embedding(list(texts))
         return [_pooled(item["embedding"]) for item in response["data"]]
 
     def embed_query(self, text: str) -> List[float]:
-        with _lock_for(self.client):
+        with _using(self.client):
             embedding = self.client.embed(text)
         return _pooled(embedding)
+
+    async def aembed_documents(self, texts: List[str]) -> List[List[float]]:
+        base = super(PowerInferEmbeddings, self).aembed_documents
+        return await _in_task(self.client, lambda: base(texts))
+
+    async def aembed_query(self, text: str) -> List[float]:
+        base = super(PowerInferEmbeddings, self).aembed_query
+        return await _in_task(self.client, lambda: base(text))
 
 
 def _pooled(embedding: Any) -> List[float]:

@@ -238,3 +238,143 @@ def test_langchain_community_llamacpp_classes_through_compat(smollm2_path, llama
     assert out["structured"]["name"] and out["structured"]["country"]
     assert out["query"] == llama.n_embd()
     assert out["documents"] and all(n == llama.n_embd() for n in out["documents"])
+
+
+# ---------------------------------------------------------------------------- kept streams (issue 12, item 6)
+
+_KEPT_STREAM_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, gc, json, sys, threading, time
+    from powerinfer_py import Llama
+    from powerinfer_py.langchain import ChatPowerInfer, PowerInferLLM, StreamCancelledError
+
+    path, n_ctx, n_threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    llama = Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, verbose=False)
+    greedy = dict(temperature=0.0, repeat_penalty=1.0)
+    llm = PowerInferLLM(client=llama, max_tokens=8, **greedy)
+    chat = ChatPowerInfer(client=llama, max_tokens=8, **greedy)
+    out = {}
+    P, Q = "1, 2, 3,", "The capital of France is"
+    out["ref_p"], out["ref_q"] = llm.invoke(P), llm.invoke(Q)
+    msgs = [("human", "Say hi.")]
+    out["ref_chat"] = chat.invoke(msgs).content
+
+    def step(name):
+        print("STEP", name, flush=True)
+
+    # 1. A partly consumed stream kept alive, then invoke() on the same thread.
+    step("kept")
+    it = llm.stream(P)
+    out["kept_first"] = next(it)
+    out["kept_invoke"] = llm.invoke(Q)
+    try:
+        next(it)
+        out["kept_resume"] = "no error"
+    except StreamCancelledError as e:
+        out["kept_resume"] = "cancelled: " + str(e)[:40]
+
+    # 2. The same with the chat model, and across the two wrappers of one Llama.
+    step("chat")
+    cit = chat.stream(msgs)
+    next(cit)
+    out["chat_invoke"] = chat.invoke(msgs).content
+    it2 = llm.stream(P)
+    next(it2)
+    out["cross_wrapper"] = chat.invoke(msgs).content
+
+    # 3. A call inside the loop body of a stream of the same model.
+    step("nested")
+    inner, error = None, None
+    try:
+        for chunk in llm.stream(P):
+            inner = llm.invoke(Q)
+    except StreamCancelledError:
+        error = "cancelled"
+    out["nested"] = [inner, error]
+
+    # 4. A stream left by break: the next call does not wait for garbage collection.
+    step("break")
+    gc.disable()
+    for chunk in llm.stream(P):
+        break
+    out["after_break"] = llm.invoke(Q)
+    gc.enable()
+
+    # 5. Another thread's stream: a call waits for it to end, and both are complete.
+    step("threads")
+    started, pieces = threading.Event(), []
+
+    def slow_consumer():
+        for chunk in llm.stream(P):
+            pieces.append(chunk)
+            started.set()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=slow_consumer)
+    t.start()
+    started.wait(60)
+    out["other_thread_invoke"] = llm.invoke(Q)
+    t.join(60)
+    out["other_thread_stream"] = "".join(pieces)
+
+    # 6. A stream kept by a thread that has ended does not block anyone.
+    step("dead thread")
+    kept = []
+    t = threading.Thread(target=lambda: kept.append((llm.stream(P), None)) or next(kept[0][0]))
+    t.start()
+    t.join(60)
+    out["dead_thread_invoke"] = llm.invoke(Q)
+
+    # 7. async: astream kept by a task, then ainvoke in that task; two tasks' streams at once.
+    step("async")
+    async def main():
+        agen = llm.astream(P)
+        first = await agen.__anext__()
+        text = await asyncio.wait_for(llm.ainvoke(Q), 60)
+        try:
+            await agen.__anext__()
+            resumed = "no error"
+        except StreamCancelledError:
+            resumed = "cancelled"
+        await agen.aclose()
+
+        async def collect(prompt):
+            return "".join([c async for c in llm.astream(prompt)])
+
+        both = await asyncio.wait_for(asyncio.gather(*[collect(P if i % 2 else Q) for i in range(8)]), 120)
+        return [first, text, resumed, both]
+
+    out["async"] = asyncio.run(main())
+    step("done")
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_kept_stream_never_deadlocks(smollm2_path, tmp_path):
+    """A partly consumed stream kept alive used to hold a plain Lock, so the next call on the
+    same thread waited forever. Run in a subprocess with a timeout, so a regression fails."""
+    script = tmp_path / "kept.py"
+    script.write_text(_KEPT_STREAM_SCRIPT)
+    try:
+        proc = subprocess.run([sys.executable, str(script), smollm2_path, str(N_CTX), str(N_THREADS)],
+                              cwd=REPO_DIR, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:
+        steps = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"deadlock: the script hung after {steps.strip().splitlines()[-1:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    ref_p, ref_q = out["ref_p"], out["ref_q"]
+    assert ref_p and ref_q and ref_p != ref_q
+    assert ref_p.startswith(out["kept_first"])
+    assert out["kept_invoke"] == ref_q  # the cancelled stream did not disturb the call
+    assert out["kept_resume"].startswith("cancelled: this stream was cancelled")
+    assert out["chat_invoke"] == out["cross_wrapper"] == out["ref_chat"]
+    assert out["nested"] == [ref_q, "cancelled"]
+    assert out["after_break"] == ref_q
+    assert out["other_thread_invoke"] == ref_q and out["other_thread_stream"] == ref_p  # served in turn
+    assert out["dead_thread_invoke"] == ref_q
+    first, text, resumed, both = out["async"]
+    assert ref_p.startswith(first) and text == ref_q and resumed == "cancelled"
+    assert both == [ref_p if i % 2 else ref_q for i in range(8)]
