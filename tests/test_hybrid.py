@@ -136,6 +136,27 @@ def _gguf_tensors(path, tmp_path):
     return reader, {t.name: np.array(t.data) for t in reader.tensors}
 
 
+def _i32_as_current_code(path, tmp_path, n_layer):
+    """A copy of a gpuidx file with its I32 tensors' type code 18 (PowerInfer's ggml, which
+    we write for its reader) changed to today's 26, which the gguf package reads."""
+    import struct
+
+    blob = bytearray(Path(path).read_bytes())
+    for il in range(n_layer):
+        for kind in ("gpu_idx", "gpu_bucket"):
+            name = f"blk.{il}.{kind}".encode()
+            i = blob.find(struct.pack("<Q", len(name)) + name)
+            assert i > 0, name
+            j = i + 8 + len(name)
+            (n_dims,) = struct.unpack_from("<I", blob, j)
+            at = j + 4 + 8 * n_dims
+            assert struct.unpack_from("<I", blob, at)[0] == 18, name
+            struct.pack_into("<I", blob, at, 26)
+    out = tmp_path / "gpuidx-current-codes"
+    out.write_bytes(bytes(blob))
+    return out
+
+
 def test_hot_set_is_most_active_neurons(tiny, tmp_path):
     path = tiny["tiny-q8"]
     fixed, ffn = _fixed_and_ffn(path, "predictor")
@@ -225,7 +246,7 @@ def test_gpuidx_round_trip_and_invalidation(tiny, tmp_path):
 
     # The file is PowerInfer's layout: PWRI magic, gpu_idx 0/1 and sorted gpu_bucket per layer.
     assert idx.read_bytes()[:4] == b"PWRI"
-    r, tensors = _gguf_tensors(idx, tmp_path)
+    r, tensors = _gguf_tensors(_i32_as_current_code(idx, tmp_path, 3), tmp_path)
     assert r.get_field("general.architecture").contents() == "generic.gpu_index"
     assert r.get_field("split.vram_capacity").contents() > 0
     for il in range(3):
