@@ -28,11 +28,13 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # --no-deps; numpy, typing-extensions, diskcache and jinja2 are its runtime deps.
 # The server and langchain extras, and what their tests drive them with (httpx, the
 # official openai client, langchain-community's LlamaCpp classes), are installed too,
-# and import-linter, whose lint-imports checks the package's layers (tests/test_layers.py).
+# import-linter, whose lint-imports checks the package's layers (tests/test_layers.py),
+# atheris (coverage-guided fuzzing of the Python readers, tests/fuzz/) and schemathesis
+# (the server against its own OpenAPI schema, tests/test_server_schema.py).
 DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
       scikit-build-core cmake ninja
       fastapi uvicorn sse-starlette pydantic-settings httpx openai
-      langchain-core langchain-community import-linter)
+      langchain-core langchain-community import-linter atheris schemathesis)
 
 phase() { printf '\n==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
