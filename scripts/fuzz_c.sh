@@ -63,7 +63,13 @@ note "compiler: $CLANG ($("$CLANG" --version | head -1))"
 [ -x .venv/bin/python ] || ./scripts/setup.sh
 CMAKE=cmake
 [ -x .venv/bin/cmake ] && CMAKE=.venv/bin/cmake
-"$CMAKE" -S . -B "$OUT" -DCMAKE_C_COMPILER="$(command -v "$CLANG")" -DPOWERINFER_FUZZ=ON \
+CC_PATH=$(command -v "$CLANG")
+# A cache made with another compiler is dropped first: CMake would reset it itself, but then
+# it forgets the other -D options of this same command (Python3_EXECUTABLE among them).
+if [ -f "$OUT/CMakeCache.txt" ] && ! grep -qx "CMAKE_C_COMPILER:[A-Z]*=$CC_PATH" "$OUT/CMakeCache.txt"; then
+    rm -rf "$OUT/CMakeCache.txt" "$OUT/CMakeFiles"
+fi
+"$CMAKE" -S . -B "$OUT" -DCMAKE_C_COMPILER="$CC_PATH" -DPOWERINFER_FUZZ=ON \
     -DPython3_EXECUTABLE="$ROOT/.venv/bin/python" -DCMAKE_BUILD_TYPE=Release >"$OUT.cmake.log" 2>&1 ||
     { cat "$OUT.cmake.log" >&2; exit 1; }
 rm -f "$OUT.cmake.log"
