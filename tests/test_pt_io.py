@@ -289,3 +289,38 @@ def test_broken_archives_raise_pt_format_error(tmp_path):
     assert pt_io.load(io.BytesIO(good.read_bytes())).shape == (64,)
     with pytest.raises(pt_io.PtFormatError, match="not a PyTorch"):
         pt_io.load(io.BytesIO(b"PK\x05\x06" + bytes(18)))
+
+
+# ---------------------------------------------------------------- found by tests/fuzz/py/fuzz_pt_io.py
+# CPython's C unpickler allocates from numbers in the pickle before it reads the data they
+# describe: pt_io now walks the opcodes first (pickletools), so these raise PtFormatError
+# at once instead of a MemoryError or gigabytes of memory.
+
+@pytest.mark.parametrize("pkl,why", [
+    (b"\x80\x02Nr\x00\xe1\xf5\x05.", "memo index 100000000"),  # LONG_BINPUT 10^8: 1.5 GB, 2.5 s, then None
+    (b"\x80\x02Nr\x00\x00\x00\x70.", "memo index 1879048192"),  # LONG_BINPUT ~2^31: MemoryError
+    (b"\x80\x02Np99999999999\n.", "memo index 99999999999"),  # text PUT
+    (b"\x80\x02Nq\x00q\x02.", r"memo index 2 at byte 5 after 1"),  # skips an index no pickler skips
+    (b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b".", "bytes8"),  # BINBYTES8 2^40: MemoryError
+    (b"\x80\x05\x96" + (12 << 30).to_bytes(8, "little") + b".", "bytearray8"),  # BYTEARRAY8 12 GiB
+    (b"\x80\x04\x95" + (255).to_bytes(8, "little") + b"N.", "a frame of 255 bytes"),
+    (b"\x80\x02\xff.", "malformed pickle"),  # an opcode pickletools does not know
+])
+def test_pickle_numbers_checked_before_unpickling(tmp_path, pkl, why):
+    p = _pt(tmp_path / "m.pt", pkl)
+    with pytest.raises(pt_io.PtFormatError, match=why):
+        pt_io.load(p)
+
+
+def test_memo_as_picklers_write_it_still_reads(tmp_path):
+    """Memo writes numbered 0, 1, 2, ... (BINPUT, LONG_BINPUT, MEMOIZE) and reads of them load."""
+    a = np.arange(4, dtype=np.float32)
+    for protocol in (2, 4):
+        shared = [1, 2]
+        pkl = pickle.dumps({"x": shared, "y": shared, "z": [shared] * 3}, protocol=protocol)
+        got = pt_io.load(_pt(tmp_path / f"p{protocol}.pt", pkl))
+        assert got == {"x": [1, 2], "y": [1, 2], "z": [[1, 2]] * 3} and got["x"] is got["y"]
+    big = b"\x80\x02" + b"N0" * 300 + b"Nr\x00\x00\x00\x00r\x01\x00\x00\x00q\x02h\x01."  # LONG_BINPUT 0, 1
+    assert pt_io.load(_pt(tmp_path / "long.pt", big)) is None
+    pt_io.save({"w": a, "v": a[::-1].copy()}, tmp_path / "s.pt")
+    np.testing.assert_array_equal(pt_io.load_state_dict(tmp_path / "s.pt")["v"], a[::-1])

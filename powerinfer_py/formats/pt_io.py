@@ -51,6 +51,7 @@ import lzma
 import math
 import os
 import pickle
+import pickletools
 import re
 import struct
 import sys
@@ -341,6 +342,38 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._state.storage(pid)
 
 
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(data: bytes, state: _Load) -> None:
+    """Walks the pickle's opcodes (pickletools, which never reads past the record or makes
+    an object) before the C unpickler runs them, for what that unpickler would allocate
+    from a number in the file without looking at the file's size: its memo table grows to
+    twice the largest PUT index (an 11-byte LONG_BINPUT 10^8 filled 1.5 GB; 2*10^9 raised
+    MemoryError), and a BINBYTES8 / BYTEARRAY8 is allocated at its declared length before
+    it is read (2^40: MemoryError). Here a memo index must be at most the number of memo
+    writes before it (a pickler numbers them 0, 1, 2, ...), every length must fit in the
+    record (pickletools checks that as it reads), and so must a FRAME."""
+    n_memo = 0
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            name = op.name
+            if name in _MEMO_PUTS:
+                if not 0 <= arg <= n_memo:
+                    raise state.fail(f"malformed pickle in .pt file: memo index {_describe(arg)} at byte {pos} "
+                                     f"after {n_memo} memo entries")
+                n_memo += 1
+            elif name == "MEMOIZE":
+                n_memo += 1
+            elif name == "FRAME" and arg > len(data) - pos - 9:
+                raise state.fail(f"malformed pickle in .pt file: a frame of {arg} bytes at byte {pos} runs past "
+                                 f"the {len(data)}-byte record")
+    except PtFormatError:
+        raise
+    except (ValueError, TypeError, OverflowError, struct.error, UnicodeError) as e:
+        raise state.fail(f"malformed pickle in .pt file: {type(e).__name__}: {str(e)[:200]}") from None
+
+
 def load(source: Union[str, os.PathLike, BinaryIO], *, max_bytes: Optional[int] = None) -> Any:
     """Reads a torch.save archive (a path or a binary file object); tensors become numpy
     arrays. Never executes pickle code. At most `max_bytes` (default DEFAULT_MAX_BYTES)
@@ -384,6 +417,7 @@ def _load_file(f: BinaryIO, where: str, cap: int) -> Any:
             if order not in ("little", "big"):
                 raise state.fail(f"bad byteorder record {_describe(order)}")
             state.big_endian = order == "big"
+        _check_opcodes(data, state)
         try:
             return _RestrictedUnpickler(data, state).load()
         except PtFormatError:
