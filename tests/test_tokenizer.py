@@ -103,3 +103,70 @@ def test_special_tokens_parse_only_when_asked(our_llama):
     text = b"<|im_start|>"
     assert len(ours.tokenize(text, add_bos=False, special=True)) == 1
     assert len(ours.tokenize(text, add_bos=False, special=False)) > 1
+
+
+# ---------------------------------------------------------------- found by tests/fuzz/py/fuzz_tokenizer.py
+
+def test_out_of_range_ids_raise_the_cores_error(our_llama):
+    """An id outside the vocabulary raises RuntimeError with the core's reason. The error
+    return (INT32_MIN) used to be taken for a request of a 2^31-byte buffer, which was made
+    before an OverflowError ("integer 2147483648 does not fit 'int32_t'") hid the reason."""
+    ours = our_llama("smollm2")
+    n_vocab = ours.n_vocab()
+    for bad in (-1, -(2**31), n_vocab, 65535, 2**31 - 1):
+        with pytest.raises(RuntimeError, match=rf"token id {bad} is out of range \[0, {n_vocab}\)"):
+            ours.token_to_piece(bad)
+        with pytest.raises(RuntimeError, match=rf"token id {bad} is out of range"):
+            ours.detokenize([1, bad, 2])
+    for huge in (2**31, -(2**31) - 1, 2**64):  # not an int32 at all: cffi's own check
+        with pytest.raises(OverflowError):
+            ours.token_to_piece(huge)
+    assert ours.detokenize([n_vocab - 1]) == ours.token_to_piece(n_vocab - 1)
+
+
+BEYOND_UNICODE = [b"\xf4\x90\x80\x80", b"a\xf7\xbf\xbf\xbfb", b"x \xf5\x80\x80\x80\xf4\x8f\xbf\xbf<|im_start|>"]
+
+_BEYOND_UNICODE_CHILD = r"""
+import json, sys
+from powerinfer_py import Llama
+texts = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]
+llm = Llama(sys.argv[1], vocab_only=True, fallback=False, verbose=False)
+print(json.dumps([[llm.tokenize(t, add_bos=False, special=s) for s in (False, True)] for t in texts]))
+"""
+
+
+def _tokenize_in_child(path: str, texts) -> list:
+    """Tokenizes in a child process: a regression aborts the child, not the test session."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _BEYOND_UNICODE_CHILD, path, json.dumps([t.hex() for t in texts])],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"tokenizing with {Path(path).name} died (exit {r.returncode}):\n{r.stderr[-2000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _replaced(text: bytes) -> bytes:
+    """What a tokenizer that decodes code points gets instead: U+FFFD for each of the 4 bytes."""
+    import re
+
+    return re.sub(rb"\xf4[\x90-\xbf][\x80-\xbf]{2}|[\xf5-\xf7][\x80-\xbf]{3}", "\ufffd".encode() * 4, text)
+
+
+def test_text_beyond_unicode_does_not_abort(smollm2_path):
+    """4 bytes (a UTF-8 form of a number past U+10FFFF) made libllama's BPE and WPM
+    pre-tokenizers throw a C++ exception through the C API: std::terminate, the process
+    gone. They are now read as 4 invalid bytes, U+FFFD each, like any other invalid UTF-8
+    these tokenizers meet; SPM and UGM vocabularies, which never decoded them (SPM makes
+    byte tokens), get the text unchanged."""
+    paths = [smollm2_path] + [str(v) for v in VOCABS if v.name in (
+        "ggml-vocab-gpt-2.gguf", "ggml-vocab-bert-bge.gguf", "ggml-vocab-llama-spm.gguf", "ggml-vocab-nomic-bert-moe.gguf")]
+    for path in paths:
+        raw_vocab = Path(path).name in ("ggml-vocab-llama-spm.gguf", "ggml-vocab-nomic-bert-moe.gguf")
+        got = _tokenize_in_child(path, BEYOND_UNICODE + [_replaced(t) for t in BEYOND_UNICODE])
+        crafted, replaced = got[:len(BEYOND_UNICODE)], got[len(BEYOND_UNICODE):]
+        if raw_vocab:
+            assert crafted != replaced, Path(path).name
+        else:
+            assert crafted == replaced, Path(path).name

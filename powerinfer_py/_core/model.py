@@ -11,6 +11,7 @@ collection closes it too.
 from __future__ import annotations
 
 import os
+import re
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -19,6 +20,20 @@ import numpy as np
 from .bindings import ffi, last_error, lib, string
 from .errors import core_error
 from .handle import Handle
+
+# What the core's count-returning calls return on an error (never a size request).
+_ERROR = -(2**31)
+
+# A 4-byte UTF-8 form of a number past U+10FFFF (lead F4 then 90-BF, or F5-F7). libllama's
+# decoder takes it for a code point, and the tokenizers that work on code points (BPE,
+# WPM, Gemma 4's) then throw std::invalid_argument("invalid codepoint") through the C API,
+# which aborts the process: 4 bytes of text were enough. They turn any other invalid
+# UTF-8 into U+FFFD, one per byte; tokenize() does the same for these before the text
+# reaches them. SPM ("llama") and UGM ("t5") vocabularies read such bytes without
+# decoding them (SPM as byte tokens) and get the text as it is.
+_BEYOND_UNICODE = re.compile(rb"\xf4[\x90-\xbf][\x80-\xbf]{2}|[\xf5-\xf7][\x80-\xbf]{3}")
+_FOUR_REPLACEMENTS = "\ufffd".encode("utf-8") * 4
+_BYTE_TOKENIZERS = frozenset({"llama", "t5"})  # tokenizer.ggml.model values that take raw bytes
 
 # enum powerinfer_sparse_mode by name
 SPARSE_MODES: Dict[str, int] = {
@@ -153,19 +168,34 @@ class Model(Handle):
         """Whether the vocabulary asks for BOS in front of a text."""
         return bool(lib.powerinfer_vocab_add_bos(self.ptr))
 
+    def _decodes_code_points(self) -> bool:
+        """Whether the vocabulary's tokenizer decodes the text into code points (every kind
+        but SPM and UGM), so that it must not see one past U+10FFFF (_BEYOND_UNICODE)."""
+        kind = self.__dict__.get("_tokenizer_kind")
+        if kind is None:
+            kind = self._tokenizer_kind = _read_string(lib.powerinfer_model_meta_val_str, self.ptr,
+                                                       b"tokenizer.ggml.model")
+        return kind not in _BYTE_TOKENIZERS
+
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> List[int]:
         """Token ids of utf-8 `text` (RuntimeError if the core cannot tokenize it)."""
         ptr = self.ptr
+        if _BEYOND_UNICODE.search(text) and self._decodes_code_points():
+            text = _BEYOND_UNICODE.sub(_FOUR_REPLACEMENTS, text)
         n_max = len(text) + 8
         for _ in range(2):
             buf = ffi.new("powerinfer_token[]", n_max)
             n = lib.powerinfer_tokenize(ptr, text, len(text), buf, n_max, add_special, parse_special)
             if n >= 0:
                 return list(ffi.unpack(buf, n))
+            if n == _ERROR:
+                break
             n_max = -n
         raise RuntimeError(f'Failed to tokenize: text="{text!r}" n_tokens={n}: {last_error()}')
 
     def token_to_piece(self, token: int, special: bool) -> bytes:
+        """The text of one token: RuntimeError for an id outside the vocabulary (the core's
+        error), OverflowError for one that is not an int32."""
         ptr = self.ptr
         size = 64
         while True:
@@ -173,7 +203,9 @@ class Model(Handle):
             n = lib.powerinfer_token_to_piece(ptr, int(token), buf, size, special)
             if n >= 0:
                 return ffi.buffer(buf, n)[:]
-            if -n <= size:  # a negative count that is not a size request
+            # The error return (INT32_MIN) is no size request: taken for one, it made a
+            # 2 GiB buffer and then an OverflowError that hid the core's message.
+            if n == _ERROR or -n <= size:
                 raise RuntimeError(f"Failed to convert token {token} to text: {last_error()}")
             size = -n
 
