@@ -1,6 +1,6 @@
 """What the benchmarks share: the child-process runner (each measured run in a fresh
 process, so its peak RSS is its own), the table printer (every table says which CPU it
-ran on), the machine's memory bandwidth, and the synthetic model pair's arguments."""
+ran on; the CPU and bandwidth probes live in powerinfer_py._machine), and the synthetic model pair's arguments."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-import numpy as np
-
+from .._machine import cpu_model
 from ..assets.models import cache_dir
 
 RESULT_PREFIX = "BENCH_RESULT "
@@ -56,39 +53,6 @@ def child_main(spec_json: str) -> int:
     fn = getattr(importlib.import_module(module), name)
     print(RESULT_PREFIX + json.dumps(fn(**spec["kwargs"])), flush=True)
     return 0
-
-
-# ---- the machine ---------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo) and its number of cores."""
-    name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
-
-def measure_bandwidth(threads: int, n_bytes: int = 1 << 30) -> float:
-    """Read bandwidth with `threads` threads, in bytes/s: best of 3 passes in which each
-    thread sums its share of a 1 GiB array (numpy releases the GIL in the sum)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    a = np.ones(n_bytes // 8, dtype=np.float64)
-    parts = np.array_split(a, threads)
-    best = 0.0
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(3):
-            t = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best = max(best, n_bytes / (time.perf_counter() - t))
-    return best
 
 
 # ---- output -----------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .common import ChildError, add_pair_arguments, cpu_model, measure_bandwidth, missing_pair, print_table, spawn
+from .._machine import cpu_model, measure_bandwidth
+from .common import ChildError, add_pair_arguments, missing_pair, print_table, spawn
 
 PROMPT_TEXT = (
     "In the beginning of the industrial age, the cities of northern England grew faster than anyone had "

@@ -6,6 +6,7 @@
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf   SiLU -> sparse ReLU (needs torch)
     powerinfer calibrate MODEL.gguf --corpus FILE... --out OUT.gguf  SiLU gate thresholds (training-free)
     powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
+    powerinfer eval MODEL --text FILE... [--reference ORIGINAL.gguf]   trust card (Markdown + JSON)
 
 `powerinfer COMMAND -h` shows each command's options. Each is also runnable as
 `python -m powerinfer_py.pipeline COMMAND ...` or `python -m powerinfer_py.pipeline.<module>`.
@@ -28,6 +29,7 @@ COMMANDS = {
     "relufy": ("powerinfer_py.pipeline.relufy", "replace SiLU by ReLU and fine-tune for sparsity (needs torch)"),
     "calibrate": ("powerinfer_py.pipeline.calibrate", "training-free gate thresholds for SiLU models (CATS-style)"),
     "place": ("powerinfer_py.pipeline.place", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
+    "eval": ("powerinfer_py.pipeline.evaluate", "trust card: per-domain perplexity, KL and top-1 vs the original, sparsity, speed"),
 }
 
 

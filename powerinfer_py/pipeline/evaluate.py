@@ -1,0 +1,439 @@
+"""A trust card for a (sparse) model: how close it stays to its original on text of
+several domains, how sparse it runs there, and how fast it is against llama-cpp-python.
+
+    powerinfer eval MODEL --text [NAME=]FILE... [--reference ORIGINAL.gguf] [--modes dense,predictor]
+                    [--passages 8] [--n-tokens 256] [--threads 2] [--out CARD]  (writes CARD.md, CARD.json)
+
+Each --text file is one domain (named NAME, else by the file's stem). From each, --passages
+windows of --n-tokens tokens spread evenly over the file are scored, teacher-forced and one
+token per decode, so the sparse path runs exactly as it does in generation:
+- per domain and engine: perplexity and mean next-token NLL;
+- with --reference (the original model, run by llama-cpp-python on the same tokens): the NLL
+  difference, the KL divergence KL(reference || model) of the next-token distributions and
+  the top-1 agreement (the share of positions where both pick the same token), the figures
+  llama.cpp's perplexity tool reports with --kl-divergence;
+- per layer: the share of FFN neurons that fired (dense FFN, activation > 0: the model's own
+  sparsity), the share each sparse mode computed, and for a file with predictors their
+  recall on this text (of the neurons that fired, the share the predictor chose);
+- with --reference: decode and prompt-processing speed of every mode against
+  llama-cpp-python on the reference, both engines in this process with their steps
+  alternating (the bandwidth of a machine drifts), and the CPU it ran on.
+
+The modes default to dense plus the mode the file itself selects (predictor for a
+PowerInfer file with predictors, gate for a calibrated one). A card is only as honest as
+its text: give text of domains that no training or calibration step saw, and name them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._core import Context, Model
+from .._machine import cpu_model
+from ..formats.gguf_io import open_gguf, tensor_f32
+from .common import PipelineError, Progress, run_cli, tokenize_texts
+
+MODES = ("dense", "gate", "predictor")
+
+
+# ---- the text --------------------------------------------------------------------------------
+
+
+def parse_domains(specs: Sequence[str]) -> List[Tuple[str, str]]:
+    """[NAME=]FILE -> (name, path); names unique."""
+    out: List[Tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or os.path.isfile(spec):
+            name, path = Path(spec).stem, spec
+        if not os.path.isfile(path):
+            raise PipelineError(f"--text {spec}: no such file")
+        if any(n == name for n, _ in out):
+            raise PipelineError(f"--text: two domains named {name!r}; name them NAME=FILE")
+        out.append((name, path))
+    if not out:
+        raise PipelineError("--text: at least one file")
+    return out
+
+
+def passages(tokens: np.ndarray, n_passages: int, n_tokens: int) -> List[np.ndarray]:
+    """n_passages windows of n_tokens spread evenly over tokens (fewer if the text is short)."""
+    if len(tokens) < 2:
+        return []
+    n = min(n_tokens, len(tokens))
+    k = max(1, min(n_passages, len(tokens) // n))
+    starts = np.linspace(0, len(tokens) - n, k).astype(np.int64)
+    return [tokens[s : s + n] for s in starts]
+
+
+# ---- scoring ---------------------------------------------------------------------------------
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+class Score:
+    """Sums over scored positions: NLL, and against the reference KL and top-1 agreement."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.nll = 0.0
+        self.kl = 0.0
+        self.top1 = 0
+
+    def add(self, logp: np.ndarray, targets: np.ndarray, ref_logp: Optional[np.ndarray]) -> None:
+        self.n += len(targets)
+        self.nll -= float(logp[np.arange(len(targets)), targets].sum())
+        if ref_logp is not None:
+            self.kl += float((np.exp(ref_logp) * (ref_logp - logp)).sum())
+            self.top1 += int((ref_logp.argmax(axis=1) == logp.argmax(axis=1)).sum())
+
+    def row(self, with_ref: bool) -> Dict[str, Any]:
+        nll = self.nll / max(self.n, 1)
+        r: Dict[str, Any] = {"tokens": self.n, "nll": nll, "ppl": math.exp(min(nll, 700.0))}
+        if with_ref:
+            r["kl"] = self.kl / max(self.n, 1)
+            r["top1"] = self.top1 / max(self.n, 1)
+        return r
+
+
+def reference_logp(reference: str, passage: np.ndarray, threads: int) -> np.ndarray:
+    """log-softmax of llama-cpp-python's logits at every position of the passage, one token
+    per decode like our engine, so that the comparison holds no batch-versus-decode rounding
+    (the same file scored by both engines in dense mode gives KL 0 exactly)."""
+    import llama_cpp
+
+    n = len(passage)
+    llm = llama_cpp.Llama(model_path=reference, n_ctx=n + 8, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    try:
+        n_vocab = llm.n_vocab()
+        out = np.empty((n - 1, n_vocab), dtype=np.float32)
+        for pos in range(n - 1):
+            llm.eval([int(passage[pos])])
+            out[pos] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return log_softmax(out)
+    finally:
+        llm.close()
+
+
+def model_logp(model: Model, passage: np.ndarray, threads: int) -> np.ndarray:
+    """log-softmax of our engine's logits, one token per decode (the sparse path runs as in
+    generation; a batch larger than sparse_max_batch would take the dense path)."""
+    n = len(passage)
+    out = np.empty((n - 1, model.n_vocab()), dtype=np.float32)
+    with Context(model, n_ctx=n + 8, n_threads=threads, n_threads_batch=threads) as ctx:
+        for pos in range(n - 1):
+            ctx.decode([int(passage[pos])], pos)
+            out[pos] = ctx.logits(-1)
+    return log_softmax(out)
+
+
+def _predictors(path: str, n_layer: int) -> Optional[List[Tuple[np.ndarray, np.ndarray]]]:
+    """(fc1 [r, n_embd], fc2 [n_ff, r]) per layer as float32, or None without predictors."""
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    if "blk.0.fc1.weight" not in tensors:
+        return None
+    return [(tensor_f32(tensors[f"blk.{i}.fc1.weight"]), tensor_f32(tensors[f"blk.{i}.fc2.weight"]))
+            for i in range(n_layer)]
+
+
+def activity(path: str, texts: Sequence[np.ndarray], threads: int, with_predictor: bool) -> Dict[str, Any]:
+    """Per layer over the passages: the share of neurons that fired (dense FFN, act > 0) and,
+    with predictors, their recall and the share they choose, at the file's thresholds."""
+    with Model(path, sparse_mode="predictor" if with_predictor else "dense") as model:
+        n_layer, n_ff = model.n_layer(), model.n_ff()
+        preds = _predictors(path, n_layer) if with_predictor else None
+        taus = [model.sparse_threshold(il) for il in range(n_layer)] if preds else []
+        fired = np.zeros(n_layer)
+        chosen = np.zeros(n_layer)
+        hit = np.zeros(n_layer)
+        n_tok = 0
+        for p in texts:
+            with Context(model, n_ctx=len(p) + 8, n_batch=len(p), n_threads=threads, n_threads_batch=threads) as ctx:
+                ctx.set_ffn_capture(True)
+                ctx.decode([int(t) for t in p], 0)
+                for il in range(n_layer):
+                    x, act = ctx.ffn_capture(il)
+                    f = act > 0
+                    fired[il] += f.sum()
+                    if preds:
+                        fc1, fc2 = preds[il]
+                        pick = (np.maximum(x @ fc1.T, 0) @ fc2.T) >= taus[il]
+                        chosen[il] += pick.sum()
+                        hit[il] += (pick & f).sum()
+            n_tok += len(p)
+    out: Dict[str, Any] = {"tokens": n_tok, "fired": (fired / (n_tok * n_ff)).tolist()}
+    if preds:
+        out["predictor_recall"] = (hit / np.maximum(fired, 1)).tolist()
+        out["predictor_chosen"] = (chosen / (n_tok * n_ff)).tolist()
+    return out
+
+
+# ---- speed -----------------------------------------------------------------------------------
+
+
+def speed(path: str, reference: str, modes: Sequence[str], prompt: Sequence[int], threads: int, n_gen: int,
+          reps: int = 3) -> Dict[str, Any]:
+    """Decode (n_gen teacher-forced single-token steps after a 16-token prompt and 4 untimed
+    steps) and prompt
+    processing (the whole prompt in one call, best of reps) of each mode against
+    llama-cpp-python on the reference, steps alternating in this process."""
+    import llama_cpp
+
+    from ..llama import Llama
+
+    n_ctx = len(prompt) + n_gen + 32
+    kw = dict(n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ref = llama_cpp.Llama(model_path=reference, **kw)
+    toks = [int(t) for t in prompt]
+    out: Dict[str, Any] = {}
+    try:
+        for mode in modes:
+            ours = Llama(model_path=path, sparse_mode=mode, **kw)
+            try:
+                t_ref = t_ours = 0.0
+                ref.reset()
+                ours.reset()
+                ref.eval(toks[:16])
+                ours.eval(toks[:16])
+                for tok in toks[16:20]:  # warm-up: the first single-token steps set up the sparse path
+                    ref.eval([tok])
+                    ours.eval([tok])
+                feed = (toks[16:] * (n_gen // max(len(toks) - 16, 1) + 1))[:n_gen]
+                for tok in feed:
+                    t = time.perf_counter()
+                    ref.eval([tok])
+                    t_ref += time.perf_counter() - t
+                    t = time.perf_counter()
+                    ours.eval([tok])
+                    t_ours += time.perf_counter() - t
+                p_ref = p_ours = float("inf")
+                for _ in range(reps):
+                    ref.reset()
+                    t = time.perf_counter()
+                    ref.eval(toks)
+                    p_ref = min(p_ref, time.perf_counter() - t)
+                    ours.reset()
+                    t = time.perf_counter()
+                    ours.eval(toks)
+                    p_ours = min(p_ours, time.perf_counter() - t)
+                out[mode] = {"decode_ref": n_gen / t_ref, "decode": n_gen / t_ours,
+                             "prompt_ref": len(toks) / p_ref, "prompt": len(toks) / p_ours}
+            finally:
+                ours.close()
+    finally:
+        ref.close()
+    return out
+
+
+# ---- the card --------------------------------------------------------------------------------
+
+
+def default_modes(path: str) -> List[str]:
+    with Model(path) as m:
+        own = m.sparse_mode()
+    return ["dense"] + ([own] if own in MODES and own != "dense" else [])
+
+
+def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[str] = None,
+             modes: Optional[Sequence[str]] = None, n_passages: int = 8, n_tokens: int = 256, threads: int = 2,
+             n_gen: int = 64, n_prompt: int = 128, measure_speed: bool = True, progress: bool = True) -> Dict[str, Any]:
+    if n_tokens < 2 or n_passages < 1 or n_gen < 1 or n_prompt < 17:
+        raise PipelineError("--n-tokens must be >= 2, --passages and --n-gen >= 1, --n-prompt >= 17")
+    modes = list(modes or default_modes(path))
+    for m in modes:
+        if m not in MODES:
+            raise PipelineError(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    with Model(path, vocab_only=True) as m:
+        n_vocab = m.n_vocab()
+    if reference is not None:
+        if not os.path.isfile(reference):
+            raise PipelineError(f"--reference {reference}: no such file")
+        with Model(reference, vocab_only=True) as r:
+            if r.n_vocab() != n_vocab:
+                raise PipelineError(f"the reference has {r.n_vocab()} tokens in its vocabulary, the model {n_vocab}: "
+                                    "KL and top-1 agreement need the same vocabulary")
+    texts: Dict[str, List[np.ndarray]] = {}
+    for name, f in domains:
+        text = Path(f).read_text(errors="replace")
+        toks = tokenize_texts(path, [text], max_tokens=4 * n_passages * n_tokens + n_tokens)
+        if reference is not None:
+            rtoks = tokenize_texts(reference, [text], max_tokens=len(toks))
+            if not np.array_equal(toks, rtoks):
+                raise PipelineError(f"{f}: the model and the reference tokenize this text differently; "
+                                    "KL and top-1 agreement need the same tokenizer")
+        texts[name] = passages(toks, n_passages, n_tokens)
+        if not texts[name]:
+            raise PipelineError(f"--text {f}: fewer than 2 tokens")
+    engines = (["reference"] if reference else []) + modes
+    total = sum(len(p) - 1 for ps in texts.values() for p in ps) * len(engines)
+    bar = Progress("eval", total, progress)
+    done = 0
+    quality: Dict[str, Dict[str, Any]] = {}
+    with_ref = reference is not None
+    models = {m: Model(path, sparse_mode=m) for m in modes}
+    try:
+        for name, ps in texts.items():
+            scores = {e: Score() for e in engines}
+            for p in ps:
+                targets = np.asarray(p[1:], dtype=np.int64)
+                ref_lp = reference_logp(reference, p, threads) if with_ref else None
+                if ref_lp is not None:
+                    scores["reference"].add(ref_lp, targets, None)
+                    done += len(targets)
+                for m in modes:
+                    scores[m].add(model_logp(models[m], p, threads), targets, ref_lp)
+                    done += len(targets)
+                    bar.update(done)
+            quality[name] = {e: s.row(with_ref and e != "reference") for e, s in scores.items()}
+        stats = {}
+        for m in modes:
+            if m == "dense":
+                continue
+            # the share each sparse mode computed, from the engine's own counters, on the
+            # passages of every domain fed one token per decode
+            counts = np.zeros((models[m].n_layer(), 2))
+            for ps in texts.values():
+                for p in ps:
+                    with Context(models[m], n_ctx=len(p) + 8, n_threads=threads, n_threads_batch=threads) as ctx:
+                        for pos, t in enumerate(p):
+                            ctx.decode([int(t)], pos)
+                        counts += [ctx.sparse_stats(il) for il in range(models[m].n_layer())]
+            stats[m] = (counts[:, 0] / np.maximum(counts[:, 1], 1)).tolist()
+    finally:
+        for mod in models.values():
+            mod.close()
+    bar.close()
+    all_passages = [p for ps in texts.values() for p in ps]
+    act = activity(path, all_passages, threads, with_predictor="predictor" in modes)
+    card: Dict[str, Any] = {
+        "model": os.path.abspath(path), "reference": os.path.abspath(reference) if reference else None,
+        "domains": {name: {"file": os.path.abspath(f), "passages": len(texts[name]),
+                           "tokens_per_passage": int(len(texts[name][0]))} for name, f in domains},
+        "modes": modes, "threads": threads, "quality": quality,
+        "layers": {"fired": act["fired"], "computed": stats,
+                   **({"predictor_recall": act["predictor_recall"], "predictor_chosen": act["predictor_chosen"]}
+                      if "predictor_recall" in act else {})},
+    }
+    if measure_speed and reference is not None:
+        prompt = np.concatenate(all_passages)[:n_prompt]
+        if len(prompt) < n_prompt:
+            prompt = np.resize(prompt, n_prompt)
+        card["speed"] = {"cpu": cpu_model(), "n_gen": n_gen, "n_prompt": n_prompt,
+                         "modes": speed(path, reference, modes, prompt.tolist(), threads, n_gen)}
+    return card
+
+
+def render(card: Dict[str, Any]) -> str:
+    """The card as Markdown."""
+    with_ref = card["reference"] is not None
+    L = [f"# Trust card: {Path(card['model']).name}", "",
+         f"- model: `{card['model']}`",
+         f"- reference: `{card['reference']}` (llama-cpp-python)" if with_ref else "- reference: none",
+         f"- modes: {', '.join(card['modes'])}; {card['threads']} threads; every position scored one token "
+         "per decode, teacher-forced",
+         "- held-out domains (text that no training or calibration step may have seen): "
+         + "; ".join(f"**{n}** (`{Path(d['file']).name}`, {d['passages']} x {d['tokens_per_passage']} tokens)"
+                     for n, d in card["domains"].items()), "",
+         "## Quality per domain", ""]
+    hdr = "| domain | engine | perplexity | NLL (nats) |"
+    if with_ref:
+        hdr += " NLL vs reference | KL from reference | top-1 agreement |"
+    L += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for dom, rows in card["quality"].items():
+        base = rows.get("reference", {}).get("nll")
+        for eng, r in rows.items():
+            line = f"| {dom} | {eng} | {r['ppl']:.3f} | {r['nll']:.4f} |"
+            if with_ref:
+                line += (" — | — | — |" if eng == "reference" else
+                         f" {r['nll'] - base:+.4f} | {r['kl']:.4f} | {r['top1']:.1%} |")
+            L.append(line)
+    lay = card["layers"]
+    n_layer = len(lay["fired"])
+    L += ["", "## FFN activity per layer (all domains)", "",
+          "fired: neurons with act > 0 in the dense FFN; computed: what each sparse mode computed"
+          + ("; recall: of the neurons that fired, the share the predictor chose" if "predictor_recall" in lay else ""),
+          "", "| layer | " + " | ".join(str(i) for i in range(n_layer)) + " | mean |",
+          "|---|" + "---|" * (n_layer + 1)]
+
+    def row(name, vals, fmt):
+        return f"| {name} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(float(np.mean(vals)))} |"
+
+    L.append(row("fired", lay["fired"], lambda v: f"{v:.1%}"))
+    for m, vals in lay["computed"].items():
+        L.append(row(f"computed ({m})", vals, lambda v: f"{v:.1%}"))
+    if "predictor_recall" in lay:
+        L.append(row("predictor recall", lay["predictor_recall"], lambda v: f"{v:.3f}"))
+    if "speed" in card:
+        sp = card["speed"]
+        L += ["", f"## Speed against llama-cpp-python on the reference ({card['threads']} threads, same process, "
+              "steps alternating)", "", f"CPU: {sp['cpu']}", "",
+              f"| mode | decode tok/s | llama-cpp-python | ratio | prompt ({sp['n_prompt']} tokens) tok/s | "
+              "llama-cpp-python | ratio |", "|---|---|---|---|---|---|---|"]
+        for m, r in sp["modes"].items():
+            L.append(f"| {m} | {r['decode']:.1f} | {r['decode_ref']:.1f} | {r['decode'] / r['decode_ref']:.2f}x | "
+                     f"{r['prompt']:.1f} | {r['prompt_ref']:.1f} | {r['prompt'] / r['prompt_ref']:.2f}x |")
+    return "\n".join(L) + "\n"
+
+
+def write_card(card: Dict[str, Any], out: str) -> Tuple[str, str]:
+    """CARD.md and CARD.json (out without its .md/.json suffix)."""
+    base = out[:-3] if out.endswith(".md") else out[:-5] if out.endswith(".json") else out
+    Path(base).parent.mkdir(parents=True, exist_ok=True)
+    md, js = base + ".md", base + ".json"
+    Path(md).write_text(render(card))
+    Path(js).write_text(json.dumps(card, indent=1))
+    return md, js
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The card's options (also offered by `powerinfer convert` with prefix "card-")."""
+    p.add_argument(f"--{prefix}passages", type=int, default=8, help="passages per domain (default 8)")
+    p.add_argument(f"--{prefix}n-tokens", type=int, default=256, help="tokens per passage (default 256)")
+    p.add_argument(f"--{prefix}n-gen", type=int, default=64, help="decode steps timed per mode (default 64)")
+    p.add_argument(f"--{prefix}n-prompt", type=int, default=128, help="prompt length timed (default 128)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="powerinfer eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--text", nargs="+", required=True, metavar="[NAME=]FILE", help="one file per domain")
+    p.add_argument("--reference", help="the original model (GGUF), run by llama-cpp-python")
+    p.add_argument("--modes", help="comma-separated, from dense,gate,predictor (default: dense and the file's own)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-speed", action="store_true", help="skip the speed table")
+    p.add_argument("--out", help="write OUT.md and OUT.json (default: only print the Markdown)")
+    add_arguments(p)
+
+    def run(argv):
+        a = p.parse_args(argv)
+        if not os.path.isfile(a.model):
+            raise PipelineError(f"{a.model}: no such file")
+        card = evaluate(a.model, parse_domains(a.text), a.reference,
+                        a.modes.split(",") if a.modes else None, a.passages, a.n_tokens, a.threads,
+                        a.n_gen, a.n_prompt, not a.no_speed)
+        print(render(card))
+        if a.out:
+            md, js = write_card(card, a.out)
+            print(f"card: {md}, {js}", file=sys.stderr)
+
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
