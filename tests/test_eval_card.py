@@ -108,3 +108,22 @@ def test_card_errors(smollm2_path, texts, tmp_path):
     for args, msg in cases:
         r = _eval(*args, "--no-speed", check=False)
         assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+
+
+def test_convert_ends_with_a_card(smollm2_path, texts, tmp_path):
+    """`powerinfer convert --card` writes the output's card beside it; bad card text fails
+    before anything is converted."""
+    out = tmp_path / "s.powerinfer.gguf"
+    base = [sys.executable, "-m", "powerinfer_py.pipeline", "convert", smollm2_path, "--out", str(out), "--outtype", "q8_0"]
+    r = subprocess.run(base + ["--card", str(tmp_path / "nope.txt")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "no such file" in r.stderr and not out.exists()
+    r = subprocess.run(base + ["--card", f"code={texts / 'code.txt'}", "--card-reference", smollm2_path,
+                               "--card-passages", "1", "--card-n-tokens", "16", "--card-n-gen", "4",
+                               "--card-n-prompt", "24"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    card = json.loads((tmp_path / "s.powerinfer.card.json").read_text())
+    assert card["model"] == str(out) and card["reference"] == smollm2_path and list(card["quality"]) == ["code"]
+    # Q8_0 re-quantization of a Q4_1 model: close to the original, not identical
+    q = card["quality"]["code"]["dense"]
+    assert 0.0 <= q["kl"] < 0.1 and q["top1"] >= 0.8, q
+    assert (tmp_path / "s.powerinfer.card.md").read_text().startswith("# Trust card: s.powerinfer.gguf")

@@ -19,7 +19,8 @@ architecture llama or qwen2. The output is a GGUF with the `PWRI` magic:
 2-D weights are stored at --outtype (F16, Q8_0 or Q4_0; rows that do not fill whole
 32-value blocks fall back to F16), 1-D tensors as F32. Without --predictors the file
 runs in gate mode (ReLU models) or dense. The output is written to a temporary file and
-renamed; the input is never modified.
+renamed; the input is never modified. With --card FILE..., held-out text, it ends with
+the output's trust card (`powerinfer eval`; against --card-reference, the original).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..formats import pt_io
+from . import evaluate
 from ..formats.gguf_io import (KEY_ACTIVATION, KEY_STATS_N_TOKENS, KEY_THRESHOLD, KEY_THRESHOLDS, OUTTYPES,
                                PWRI_MAGIC, STATS_TENSOR, add_weight, copy_kv, field, file_type, finish, new_writer,
                                open_gguf, read_stats, tensor_f32)
@@ -358,12 +360,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--activation", choices=("silu", "relu", "gelu", "drelu"), help="override the FFN activation key")
     p.add_argument("--tokenizer-pre", default="default",
                    help="llama.cpp pre-tokenizer name for a BPE tokenizer.json (default: 'default')")
+    p.add_argument("--card", nargs="+", metavar="[NAME=]FILE",
+                   help="held-out text, one file per domain: end with a trust card of the output (powerinfer eval), "
+                        "written to OUT's name with .card.md/.card.json")
+    p.add_argument("--card-reference", metavar="GGUF",
+                   help="the original model the card compares with (llama-cpp-python runs it; not INPUT by default: "
+                        "llama.cpp would run a relufied GGUF with its original activation)")
+    evaluate.add_arguments(p, prefix="card-")
 
     def run(argv):
         a = p.parse_args(argv)
+        domains = evaluate.parse_domains(a.card) if a.card else None  # bad --card text fails before converting
+        reference = a.card_reference
         rep = convert(a.input, a.out, predictors=a.predictors, stats=a.stats, outtype=a.outtype,
                       activation=a.activation, tokenizer_pre=a.tokenizer_pre)
         print(json.dumps(rep, indent=1))
+        if domains:
+            card = evaluate.evaluate(a.out, domains, reference, n_passages=a.card_passages, n_tokens=a.card_n_tokens,
+                                     n_gen=a.card_n_gen, n_prompt=a.card_n_prompt)
+            base = a.out[: -len(".gguf")] if a.out.endswith(".gguf") else a.out
+            md, js = evaluate.write_card(card, base + ".card")
+            print(evaluate.render(card))
+            print(f"card: {md}, {js}", file=sys.stderr)
         return 0
 
     return run_cli(run, argv)
