@@ -1,5 +1,6 @@
 """The offline pipeline (profile -> train-predictor -> convert, relufy) on the tiny synthetic model."""
 
+import itertools
 import json
 import os
 import shutil
@@ -32,6 +33,51 @@ def _llama(path, **kw):
     from powerinfer_py import Llama
 
     return Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False, **kw)
+
+
+# The engine against the float64 numpy reference (tests/numpy_llama.py), relative to the
+# largest logit. F32 weights: float32 summation order only (~n * eps), as in
+# test_sparse_engine.py. F16 weights: two roundings to 11 significant bits (2**-11 relative)
+# per product, the weight's and the activation's (ggml's F16 dot products round it too).
+TOL_F32 = 1e-4
+TOL_F16 = 2 * 2.0**-11
+
+
+def _completion_and_greedy(llm, prompt: str, max_tokens: int):
+    """create_completion's greedy text, and the tokens it consists of with the logits each
+    was chosen from (generate() from an empty cache, the path create_completion takes).
+    With this byte-level vocabulary a completion may run past max_tokens to finish a
+    UTF-8 character, so the token count is read from its usage."""
+    llm.reset()
+    got = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0)
+    n = got["usage"]["completion_tokens"]
+    assert n >= max_tokens and got["choices"][0]["finish_reason"] == "length"
+    prompt_tokens = llm.tokenize(prompt.encode())
+    rows = []
+
+    def record(_input_ids, logits):
+        rows.append(np.array(logits, dtype=np.float64))
+        return False
+
+    llm.reset()
+    gen = llm.generate(prompt_tokens, temp=0.0, top_k=1, repeat_penalty=1.0, stopping_criteria=record)
+    try:
+        ids = [int(t) for t in itertools.islice(gen, n)]
+    finally:
+        gen.close()
+    text = llm.detokenize(ids, prev_tokens=prompt_tokens).decode("utf-8", errors="ignore")
+    assert got["choices"][0]["text"] == text
+    return prompt_tokens, ids, np.array(rows)
+
+
+def _assert_greedy_follows(ids, rows, ref_rows, tol):
+    """Our logits along our greedy tokens within tol of the reference's on the same tokens,
+    and each token the reference's best but for a near-tie within 2 * tol."""
+    scale = np.abs(ref_rows).max()
+    err = np.abs(rows - ref_rows).max()
+    assert err <= tol * scale, f"max |logit - reference| {err:.3g}, {err / scale:.3g} of the largest"
+    for i, (t, r) in enumerate(zip(ids, ref_rows)):
+        assert r[t] >= r.max() - 2 * tol * scale, f"step {i}: token {t}, {r.max() - r[t]:.3g} below the best"
 
 
 # ---------------------------------------------------------------- metrics
@@ -117,14 +163,63 @@ def test_profile_train_convert_generate(tiny, capsys):
     stats = {t.name: np.array(t.data) for t in r.tensors if t.name.endswith("ffn_act_count")}
     np.testing.assert_array_equal(stats["blk.0.ffn_act_count"], counts[0].astype(np.float32))
 
-    llm = _llama(out, sparse_mode="predictor")
+    # Predictor mode computes exactly the neurons the trained predictor selects. The
+    # reference shares no code with the engine or convert: tests/numpy_llama.py's float64
+    # forward pass of the ORIGINAL F32 model, each FFN masked to the neurons whose
+    # fc2 . relu(fc1 . x) >= the layer's threshold, read from train-predictor's files. An F32
+    # conversion of the same inputs leaves float32 rounding as the only difference.
+    from numpy_llama import forward, read_f32_model
+
+    f32 = d / "tiny.f32.powerinfer.gguf"
+    assert cli.main(["convert", tiny["gguf"], "--predictors", str(pred), "--stats", str(prof), "--outtype", "f32",
+                     "--out", str(f32)]) == 0
+    tensors, hp = read_f32_model(tiny["gguf"], d)
+    predictors, thresholds = pt_io.read_predictor_dir(pred, 2), tj["sparse_thresholds"]
+    n_prompt = 4  # "In" with BOS: decoded as one batch, then one token per decode
+    margins, expected = [], []  # expected: per layer, (active, considered) neurons
+
+    def predicted(il, x_res):
+        fc1, fc2 = (a.astype(np.float64) for a in predictors[il])
+        logit = np.maximum(x_res @ fc1.T, 0) @ fc2.T
+        margins.append(np.abs(logit - thresholds[il]).min())
+        mask = logit >= thresholds[il]
+        if il < hp["n_layer"] - 1:
+            # docs/formats.md: a batch of up to sparse_max_batch = 4 tokens takes the sparse
+            # path over the union of its tokens' active neurons; the last layer computes the
+            # batch's last row only (the only one whose logits are read), with its own mask
+            mask[:n_prompt] = mask[:n_prompt].any(axis=0)
+        expected.append((int(mask[n_prompt - 1 :].sum()), mask[n_prompt - 1 :].size))
+        return mask.astype(np.float64)
+
+    llm = _llama(f32, sparse_mode="predictor")
     assert llm.sparse_mode_in_use() == "predictor"
-    text = llm.create_completion("In the beginning", max_tokens=8, temperature=0)["choices"][0]["text"]
-    assert isinstance(text, str)
-    dense = _llama(out, sparse_mode="dense")
-    toks = llm.tokenize(b"In the beginning God created")
-    a, b = np.array(llm.compute_logits(toks)), np.array(dense.compute_logits(toks))
-    assert np.corrcoef(a[-1], b[-1])[0, 1] > 0.99  # the predictor keeps the output close to dense
+    llm.reset_timings()
+    prompt, ids, rows = _completion_and_greedy(llm, "In", 8)
+    assert len(prompt) == n_prompt
+    seq = prompt + ids[:-1]  # what generate() decoded
+    engine_counts = [llm._ctx.sparse_stats(il) for il in range(2)]
+    masked = forward(tensors, hp, seq, predicted)
+    dense_ref = forward(tensors, hp, seq)
+    _assert_greedy_follows(ids, rows, masked[n_prompt - 1 :], TOL_F32)
+    # the mask matters: computing every neuron would be far outside the tolerance
+    assert np.abs(dense_ref - masked)[n_prompt - 1 :].max() > 100 * TOL_F32 * np.abs(masked).max()
+    # The engine computed exactly the neurons the reference selects in every decode of both
+    # runs (create_completion's and generate()'s; the batch counts once). No predictor logit
+    # of the reference lies within float32 reach of its threshold.
+    assert min(margins) > 1e-5, min(margins)
+    assert engine_counts == [(2 * a, 2 * c) for a, c in expected]
+
+    # The Q8_0 file (8-bit weights, and activations rounded to 8 bits before each product)
+    # follows the predictor's mask too: its logits along the same tokens are much closer to
+    # the masked reference than computing every neuron is.
+    q8 = _llama(out, sparse_mode="predictor")
+    q8.reset()
+    q8_rows = []
+    for t in seq:
+        q8.eval([t])
+        q8_rows.append(np.array(q8._last_logits_view(), dtype=np.float64))
+    q8_rows = np.array(q8_rows)
+    assert np.abs(q8_rows - masked).max() < 0.5 * np.abs(dense_ref - masked).max()
 
 
 # ---------------------------------------------------------------- convert
@@ -272,7 +367,27 @@ def test_relufy_checkpoint_resume_and_flow(tiny, tmp_path):
     # the exported model runs in our engine and flows into profile
     assert cli.main(["profile", str(out), "--corpus", tiny["corpus"], "--n-tokens", "300", "--ctx", "64",
                      "--out", str(tmp_path / "p")]) == 0
-    assert _llama(out).create_completion("In the", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+    # ... and computes the model relufy trained: the reference is tests/numpy_llama.py's float64
+    # forward pass (ReLU FFN) of the original F32 weights with the trained ones from the
+    # checkpoint in their place (the token embedding and output stay frozen)
+    import torch
+    from numpy_llama import forward, read_f32_model
+
+    original, hp = read_f32_model(tiny["gguf"], tmp_path)
+    state = torch.load(ck / "relufy-checkpoint.pt", weights_only=False)
+    assert state["step"] == 4
+    trained = dict(original)
+    for key, value in state["params"].items():
+        name = "output_norm.weight" if key == "output_norm" else "blk.{}.{}.weight".format(*key.split(".")[1:])
+        assert name in original and value.shape == original[name].shape, key
+        trained[name] = value.double().numpy()
+    llm = _llama(out)
+    prompt, ids, rows = _completion_and_greedy(llm, "In the", 4)
+    seq = prompt + ids[:-1]
+    ref = forward(trained, hp, seq)
+    _assert_greedy_follows(ids, rows, ref[len(prompt) - 1 :], TOL_F16)
+    # four steps moved the model far beyond that tolerance: the file holds the trained weights
+    assert np.abs(forward(original, hp, seq) - ref).max() > 10 * TOL_F16 * np.abs(ref).max()
 
 
 def test_profile_plot(tiny, tmp_path):

@@ -180,7 +180,13 @@ def test_batched_prompt_matches_token_by_token(tiny):
 
 
 def test_powerinfer_file_round_trip(tiny, tmp_path):
+    """The PWRI file as the gguf package reads it (standard magic) and as the engine does:
+    its metadata, and predictor mode against tests/numpy_llama.py's forward pass of the
+    file's own tensors with the FFN masked to what its predictor (fc1, fc2, threshold)
+    selects, neuron for neuron."""
     import gguf
+
+    from numpy_llama import forward, read_f32_model
 
     path = Path(tiny["tiny"]["powerinfer"])
     assert path.read_bytes()[:4] == b"PWRI"
@@ -193,6 +199,7 @@ def test_powerinfer_file_round_trip(tiny, tmp_path):
     names = {t.name for t in reader.tensors}
     assert {"blk.0.ffn_down_t.weight", "blk.0.fc1.weight", "blk.0.fc2.weight"} <= names
     assert "blk.0.ffn_down.weight" not in names
+    threshold = float(reader.fields["powerinfer.sparse_threshold"].contents())
 
     e = Engine(path, "predictor")
     try:
@@ -201,12 +208,43 @@ def test_powerinfer_file_round_trip(tiny, tmp_path):
         assert ffi.string(buf, n) == b"relu"
         assert lib.powerinfer_model_meta_val_str(e.model, b"general.architecture", buf, 256) > 0
         assert ffi.string(buf) == b"llama"
-        assert lib.powerinfer_model_sparse_threshold(e.model, 0) == 0.0
+        assert lib.powerinfer_model_sparse_threshold(e.model, 0) == threshold == 0.0
         assert ffi.string(lib.powerinfer_model_ffn_activation(e.model)) == b"relu"
-        toks, _ = e.greedy(n=8)
+        assert e.mode() == "predictor"
+        ids = ffi.new("int32_t[]", 64)
+        prompt = list(ids[0 : lib.powerinfer_tokenize(e.model, PROMPT, len(PROMPT), ids, 64, True, False)])
+        toks, logits = e.greedy(n=8)  # every token decoded alone: the sparse path
+        a, c, counts = ffi.new("int64_t*"), ffi.new("int64_t*"), []
+        for il in range(PRESETS["tiny"].n_layer):
+            assert lib.powerinfer_sparse_stats(e.ctx, il, a, c) == 0
+            counts.append((a[0], c[0]))
     finally:
         e.close()
-    # the PWRI file decodes like its standard twin (the planted predictor is exact)
+
+    tensors, hp = read_f32_model(path, tmp_path)
+    margins, expected = [], []
+
+    def predicted(il, x_res):
+        logit = np.maximum(x_res @ tensors[f"blk.{il}.fc1.weight"].T, 0) @ tensors[f"blk.{il}.fc2.weight"].T
+        margins.append(np.abs(logit - threshold).min())
+        mask = logit >= threshold
+        expected.append((int(mask.sum()), mask.size))
+        return mask.astype(np.float64)
+
+    seq = prompt + toks  # greedy() decoded all of them, one at a time
+    ref = forward(tensors, hp, seq, predicted)[len(prompt) - 1 : -1]
+    scale = np.abs(ref).max()
+    err = np.abs(logits - ref).max()
+    assert err <= TOL["tiny"] * scale, f"max |logit - reference| {err:.3g}, {err / scale:.3g} of the largest"
+    for i, (t, r) in enumerate(zip(toks, ref)):  # greedy on the reference but for a near-tie
+        assert r[t] >= r.max() - 2 * TOL["tiny"] * scale, (i, t)
+    # Neuron for neuron: the engine computed exactly what the predictor selects, no more
+    # (a neuron selected without firing changes no logit), no fewer; no predictor logit of
+    # the reference lies within float32 reach of the threshold. About 10% fire (planted).
+    assert min(margins) > 1e-5, min(margins)
+    assert counts == expected
+    assert all(0.03 < active / total < 0.3 for active, total in counts), counts
+    # and decodes like its standard twin (the planted predictor is exact)
     assert toks == _tokens(tiny["tiny"]["dense"], n=8)
 
 
