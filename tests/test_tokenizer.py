@@ -170,3 +170,14 @@ def test_text_beyond_unicode_does_not_abort(smollm2_path):
             assert crafted != replaced, Path(path).name
         else:
             assert crafted == replaced, Path(path).name
+
+
+def test_text_beyond_unicode_in_the_c_programs(smollm2_path, cli_path):
+    """The replacement lives in the core's powerinfer_tokenize, so the C programs (the CLI,
+    and any C caller of powerinfer.h) are safe too, not only Python."""
+    import subprocess
+
+    for prompt in BEYOND_UNICODE:
+        r = subprocess.run([str(cli_path), "-m", smollm2_path, "-p", prompt, "-n", "1", "-t", "2"],
+                           capture_output=True, timeout=300)
+        assert r.returncode == 0, (prompt, r.returncode, r.stderr[-1500:])

@@ -11,7 +11,6 @@ collection closes it too.
 from __future__ import annotations
 
 import os
-import re
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -23,17 +22,6 @@ from .handle import Handle
 
 # What the core's count-returning calls return on an error (never a size request).
 _ERROR = -(2**31)
-
-# A 4-byte UTF-8 form of a number past U+10FFFF (lead F4 then 90-BF, or F5-F7). libllama's
-# decoder takes it for a code point, and the tokenizers that work on code points (BPE,
-# WPM, Gemma 4's) then throw std::invalid_argument("invalid codepoint") through the C API,
-# which aborts the process: 4 bytes of text were enough. They turn any other invalid
-# UTF-8 into U+FFFD, one per byte; tokenize() does the same for these before the text
-# reaches them. SPM ("llama") and UGM ("t5") vocabularies read such bytes without
-# decoding them (SPM as byte tokens) and get the text as it is.
-_BEYOND_UNICODE = re.compile(rb"\xf4[\x90-\xbf][\x80-\xbf]{2}|[\xf5-\xf7][\x80-\xbf]{3}")
-_FOUR_REPLACEMENTS = "\ufffd".encode("utf-8") * 4
-_BYTE_TOKENIZERS = frozenset({"llama", "t5"})  # tokenizer.ggml.model values that take raw bytes
 
 # enum powerinfer_sparse_mode by name
 SPARSE_MODES: Dict[str, int] = {
@@ -168,20 +156,11 @@ class Model(Handle):
         """Whether the vocabulary asks for BOS in front of a text."""
         return bool(lib.powerinfer_vocab_add_bos(self.ptr))
 
-    def _decodes_code_points(self) -> bool:
-        """Whether the vocabulary's tokenizer decodes the text into code points (every kind
-        but SPM and UGM), so that it must not see one past U+10FFFF (_BEYOND_UNICODE)."""
-        kind = self.__dict__.get("_tokenizer_kind")
-        if kind is None:
-            kind = self._tokenizer_kind = _read_string(lib.powerinfer_model_meta_val_str, self.ptr,
-                                                       b"tokenizer.ggml.model")
-        return kind not in _BYTE_TOKENIZERS
-
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> List[int]:
-        """Token ids of utf-8 `text` (RuntimeError if the core cannot tokenize it)."""
+        """Token ids of utf-8 `text` (RuntimeError if the core cannot tokenize it). Invalid
+        UTF-8 is safe: the core hands libllama's code-point tokenizers a 4-byte form of a
+        number past U+10FFFF as U+FFFD x 4 (it made libllama throw through its C API)."""
         ptr = self.ptr
-        if _BEYOND_UNICODE.search(text) and self._decodes_code_points():
-            text = _BEYOND_UNICODE.sub(_FOUR_REPLACEMENTS, text)
         n_max = len(text) + 8
         for _ in range(2):
             buf = ffi.new("powerinfer_token[]", n_max)

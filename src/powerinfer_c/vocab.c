@@ -147,13 +147,56 @@ bool powerinfer_vocab_add_bos(const struct powerinfer_model * model) {
     return llama_vocab_get_add_bos(model->vocab);
 }
 
+// A 4-byte UTF-8 form of a number past U+10FFFF: lead F4 then 90-BF, or lead F5-F7, then
+// continuation bytes (s has 4 bytes).
+static bool beyond_unicode(const unsigned char * s) {
+    const bool lead = (s[0] == 0xF4 && s[1] >= 0x90 && s[1] <= 0xBF) ||
+                      (s[0] >= 0xF5 && s[0] <= 0xF7 && (s[1] & 0xC0) == 0x80);
+    return lead && (s[2] & 0xC0) == 0x80 && (s[3] & 0xC0) == 0x80;
+}
+
 int32_t powerinfer_tokenize(const struct powerinfer_model * model, const char * text, int32_t text_len,
                             powerinfer_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special) {
     if (!text || text_len < 0 || n_tokens_max < 0 || (n_tokens_max > 0 && !tokens)) {
         pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_tokenize: invalid arguments");
         return INT32_MIN;
     }
+    // libllama decodes a 4-byte UTF-8 form of a number past U+10FFFF as a code point, and the
+    // tokenizers that work on code points (all but SPM and UGM) then throw a C++ exception
+    // through its C API, which ends the process: four bytes of text were enough. Those
+    // tokenizers turn every other invalid byte into U+FFFD; they get these four the same way.
+    // SPM (byte tokens) and UGM read the bytes without decoding them and get the text as is.
+    char * clean = NULL;
+    const enum llama_vocab_type vt = llama_vocab_type(model->vocab);
+    if (vt != LLAMA_VOCAB_TYPE_SPM && vt != LLAMA_VOCAB_TYPE_UGM) {
+        size_t n_bad = 0;
+        for (int32_t i = 0; i + 3 < text_len; ++i) {
+            n_bad += beyond_unicode((const unsigned char *) text + i);
+        }
+        if (n_bad > 0) {
+            // each 4-byte form becomes 4 x EF BF BD (12 bytes)
+            if ((size_t) text_len + 8 * n_bad > INT32_MAX || !(clean = malloc((size_t) text_len + 8 * n_bad))) {
+                pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_tokenize: text too long");
+                return INT32_MIN;
+            }
+            size_t o = 0;
+            for (int32_t i = 0; i < text_len;) {
+                if (i + 3 < text_len && beyond_unicode((const unsigned char *) text + i)) {
+                    for (int k = 0; k < 4; ++k) {
+                        memcpy(clean + o, "\xEF\xBF\xBD", 3);
+                        o += 3;
+                    }
+                    i += 4;
+                } else {
+                    clean[o++] = text[i++];
+                }
+            }
+            text = clean;
+            text_len = (int32_t) o;
+        }
+    }
     int32_t n = llama_tokenize(model->vocab, text, text_len, tokens, n_tokens_max, add_special, parse_special);
+    free(clean);
     if (n == INT32_MIN) {
         pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_tokenize: the text yields more than 2^31 tokens");
     }
