@@ -172,6 +172,28 @@ def test_text_beyond_unicode_does_not_abort(smollm2_path):
             assert crafted == replaced, Path(path).name
 
 
+def test_text_beyond_unicode_on_the_fallback_engine():
+    """llama-cpp-python's engine (the fallback, here forced by a KV override) has the same
+    abort; Llama guards its tokenizer with the core's rule."""
+    import subprocess
+    import sys
+
+    gpt2 = [v for v in VOCABS if v.name == "ggml-vocab-gpt-2.gguf"]
+    if not gpt2:
+        pytest.skip("llama.cpp's vocabulary fixtures are not fetched")
+    child = (
+        "import sys\n"
+        "from powerinfer_py import Llama\n"
+        "llm = Llama(sys.argv[1], vocab_only=True, kv_overrides={'general.name': 'x'}, verbose=False)\n"
+        "assert llm.engine == 'llama-cpp-python', llm.engine\n"
+        "got = [llm.tokenize(t, add_bos=False) for t in (b'a\\xf7\\xbf\\xbf\\xbfb', 'a\\ufffd\\ufffd\\ufffd\\ufffdb'.encode())]\n"
+        "assert got[0] == got[1], got\n"
+        "print(got[0])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", child, str(gpt2[0])], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
 def test_text_beyond_unicode_in_the_c_programs(smollm2_path, cli_path):
     """The replacement lives in the core's powerinfer_tokenize, so the C programs (the CLI,
     and any C caller of powerinfer.h) are safe too, not only Python."""

@@ -7,6 +7,7 @@ Every function takes the powerinfer_py.Llama it serves as `llama`.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from typing import Any, Dict
 
@@ -50,10 +51,36 @@ def load(llama: Any, core_message: str, params: Dict[str, Any]) -> None:
             f"the {ENGINE_LLAMA_CPP} fallback failed too: {e}",
             ERR_UNSUPPORTED,
         ) from e
+    _guard_tokenizer(fallback)
     llama._fallback = fallback
     llama.engine = ENGINE_LLAMA_CPP
     if llama.verbose:
         print(f"powerinfer_py: engine {ENGINE_LLAMA_CPP} (dense)", file=sys.stderr)
+
+
+# A 4-byte UTF-8 form of a number past U+10FFFF: libllama's code-point tokenizers throw
+# through its C API on it and the process ends (the core replaces it in powerinfer_tokenize,
+# src/powerinfer_c/vocab.c; this is the same rule for llama-cpp-python's engine).
+_BEYOND_UNICODE = re.compile(rb"\xf4[\x90-\xbf][\x80-\xbf]{2}|[\xf5-\xf7][\x80-\xbf]{3}")
+_FOUR_REPLACEMENTS = "\ufffd".encode("utf-8") * 4
+
+
+def _guard_tokenizer(fallback: Any) -> None:
+    """Every tokenization of the wrapped engine (its Llama.tokenize, completions and chat
+    all go through its model's tokenize) gets such a form as U+FFFD x 4, as the core does,
+    unless the vocabulary reads bytes without decoding them (SPM, UGM)."""
+    mod = upstream.module()
+    model = fallback._model
+    if mod.llama_vocab_type(model.vocab) in (mod.LLAMA_VOCAB_TYPE_SPM, mod.LLAMA_VOCAB_TYPE_UGM):
+        return
+    raw = model.tokenize
+
+    def tokenize(text: bytes, add_bos: bool, special: bool):
+        if _BEYOND_UNICODE.search(text):
+            text = _BEYOND_UNICODE.sub(_FOUR_REPLACEMENTS, text)
+        return raw(text, add_bos, special)
+
+    model.tokenize = tokenize
 
 
 def timings(fallback: Any) -> Dict[str, float]:
