@@ -61,7 +61,8 @@ def _rope(x: np.ndarray, base: float) -> np.ndarray:
 
 def forward(tensors: Dict[str, np.ndarray], hp: Dict[str, float], tokens: Sequence[int],
             ffn_mask: Optional[Callable[[int, np.ndarray], np.ndarray]] = None) -> np.ndarray:
-    """Logits [T, n_vocab] for every position. ffn_mask(layer, x_res [T, n_embd]) -> [T, n_ff]
+    """Logits [T, n_vocab] for every position (FFN activation ReLU, or SiLU with hp["act"] ==
+    "silu"). ffn_mask(layer, x_res [T, n_embd]) -> [T, n_ff]
     multiplies the FFN's hidden activations (x_res: the residual stream entering the FFN,
     the predictor's input)."""
     W = tensors
@@ -84,7 +85,9 @@ def forward(tensors: Dict[str, np.ndarray], hp: Dict[str, float], tokens: Sequen
             att[:, j] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kv]
         x = x + att.reshape(T, -1) @ W[p + "attn_output.weight"].T
         f = _rms(x, W[p + "ffn_norm.weight"], hp["eps"])
-        a = np.maximum(f @ W[p + "ffn_gate.weight"].T, 0) * (f @ W[p + "ffn_up.weight"].T)
+        g = f @ W[p + "ffn_gate.weight"].T
+        g = g / (1.0 + np.exp(-g)) if hp.get("act") == "silu" else np.maximum(g, 0)
+        a = g * (f @ W[p + "ffn_up.weight"].T)
         if ffn_mask is not None:
             a = a * ffn_mask(il, x)
         down_t = W.get(p + "ffn_down_t.weight")

@@ -13,7 +13,9 @@ S. The model is then fine-tuned on the corpus with next-token cross-entropy plus
 penalty on the FFN activations (per token, the sum of |act| over a layer's neurons,
 averaged over layers; its coefficient ramps up linearly over the first quarter of the
 steps, as ProSparse does progressively), the token embedding (and the tied
-output) frozen. Progress (step, loss, sparsity, tokens/s) goes to stderr, a checkpoint
+output) frozen. With --distill W the task loss is (1-W)·cross-entropy + W·KL(original ||
+model): the original model (its own activation), frozen, runs on the same batch as the teacher, which
+keeps the model close to it on text the corpus does not cover. Progress (step, loss, sparsity, tokens/s) goes to stderr, a checkpoint
 is written every --checkpoint-every steps, and --resume continues from the last one.
 --check then compares the torch forward pass of the ORIGINAL model with our engine's
 logits on 32 corpus tokens (this catches RoPE/permutation layout errors).
@@ -231,7 +233,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
            shift: float = 0.0, steps: int = 200, seq_len: int = 256, batch: int = 4, lr: float = 2e-4,
            outtype: str = "f16", checkpoint_dir: Optional[str] = None, checkpoint_every: int = 50,
            resume: bool = False, n_tokens: Optional[int] = None, seed: int = 0, threads: int = 0,
-           progress: bool = True, check: bool = False) -> Dict:
+           progress: bool = True, check: bool = False, distill: float = 0.0, temperature: float = 1.0) -> Dict:
     torch = _torch()
     if act not in ("relu", "drelu"):
         raise PipelineError(f"--act must be relu or drelu, not {act!r}")
@@ -241,6 +243,8 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         raise PipelineError(f"--outtype must be f16, q8_0 or f32, not {outtype!r}")
     if steps < 0 or seq_len < 2 or batch < 1:
         raise PipelineError("--steps must be >= 0, --seq-len >= 2, --batch >= 1")
+    if not 0.0 <= distill <= 1.0 or not temperature > 0:
+        raise PipelineError("--distill must be in [0, 1] and --temperature > 0")
     if threads > 0:
         torch.set_num_threads(threads)
     hp, weights, reader = load_weights(model_path)
@@ -252,10 +256,20 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     torch.manual_seed(seed)
     np.random.seed(seed)
     model = build_model(hp, weights, act=act, shift=shift)
+    # The teacher: the original model, frozen (distillation keeps the student close to it on
+    # any text, not only on what the corpus covers).
+    teacher = None
+    if distill > 0:
+        teacher = build_model(hp, weights, act=hp["activation"] if hp["activation"] in ACTS else "silu")
+        teacher.eval()
+        for q in teacher.parameters():
+            q.requires_grad_(False)
     del weights
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     meta = {"model": os.path.abspath(model_path), "act": act, "shift": shift, "seq_len": seq_len, "batch": batch}
+    if distill > 0:  # only then, so that checkpoints made before distillation existed still resume
+        meta.update(distill=distill, temperature=temperature)
     ckpt = Path(checkpoint_dir) / "relufy-checkpoint.pt" if checkpoint_dir else None
     start = 0
     if resume:
@@ -294,18 +308,30 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         xb = torch.stack([tok_t[s : s + seq_len + 1] for s in starts])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, acts = model(xb[:, :-1], collect=True)
-            ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1))
+            flat = logits.float().reshape(-1, logits.shape[-1])
+            ce = torch.nn.functional.cross_entropy(flat, xb[:, 1:].reshape(-1))
+            task = ce
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logits, _ = teacher(xb[:, :-1])
+                    t_logp = torch.log_softmax(t_logits.float().reshape(-1, flat.shape[-1]) / temperature, -1)
+                # KL(teacher || student) per token, scaled by T^2 (Hinton et al.) so its
+                # gradient does not shrink with the temperature
+                kl = torch.nn.functional.kl_div(torch.log_softmax(flat / temperature, -1), t_logp, log_target=True,
+                                                reduction="batchmean") * temperature**2
+                task = (1.0 - distill) * ce + distill * kl
             # per token: sum over a layer's neurons, averaged over layers and tokens
             l1_term = torch.stack([a.float().abs().sum(-1).mean() for a in acts]).mean()
-            loss = ce + lam * l1_term
+            loss = task + lam * l1_term
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         seen += batch * seq_len
         sp = sparsity_of(acts)
-        hist.append((float(ce.detach()), sp))
+        hist.append((float(ce.detach()), sp, float(kl.detach()) if teacher is not None else None))
         bar.update(step + 1 - start, f"step {step + 1}: loss {loss.item():.3f} ce {ce.item():.3f} "
+                   + (f"kl {kl.item():.3f} " if teacher is not None else "") +
                    f"l1 {l1_term.item():.3f} sparsity {sp:.1%} {seen / (time.time() - t0):.0f} tok/s")
         if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
             _save_checkpoint(torch, ckpt, model, opt, step + 1, meta)
@@ -316,6 +342,10 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     report.update({"steps": steps, "start_step": start, "train_wall_s": wall, "tokens_trained": seen,
                    "final_ce": float(np.mean([h[0] for h in tail])) if tail else None,
                    "final_sparsity": float(np.mean([h[1] for h in tail])) if tail else None})
+    if teacher is not None:
+        report.update({"distill": distill, "temperature": temperature,
+                       "final_kl": float(np.mean([h[2] for h in tail])) if tail else None})
+        del teacher
     export_gguf(reader, model, out, outtype, progress=False)
     report["out"] = out
     if check:  # after training: running the engine in this process first slows torch's training threads down
@@ -350,13 +380,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="after training, compare the torch forward pass of the ORIGINAL model with our engine's logits")
     p.add_argument("--report", help="write the run's numbers as JSON here")
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="distill from the original: loss = (1-W) * cross-entropy + W * KL(original || model) "
+                        "(default 0: cross-entropy only)")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
 
     def run(argv):
         a = p.parse_args(argv)
         rep = relufy(a.model, a.corpus, a.out, act=a.act, l1=a.l1, shift=a.fatrelu_shift, steps=a.steps,
                      seq_len=a.seq_len, batch=a.batch, lr=a.lr, outtype=a.outtype, checkpoint_dir=a.checkpoint_dir,
                      checkpoint_every=a.checkpoint_every, resume=a.resume, n_tokens=a.n_tokens, seed=a.seed,
-                     threads=a.threads, check=a.check)
+                     threads=a.threads, check=a.check, distill=a.distill, temperature=a.temperature)
         if a.report:
             Path(a.report).write_text(json.dumps(rep, indent=1))
         print(json.dumps(rep, indent=1))
