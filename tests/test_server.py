@@ -532,3 +532,185 @@ def test_python_m_server_subprocess(smollm2_path):
             r = c.post("/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 4, **GREEDY})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------- schema run
+# Defects found by tests/test_server_schema.py (schemathesis on /openapi.json); each of
+# these answered 500 (or misbehaved as described) before its fix.
+
+
+SCHEMA_RUN_BAD_REQUESTS = {
+    # Python ints beyond the C int32 the core takes: OverflowError.
+    "top_k beyond int32": ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "top_k": 10**23}),
+    "token id beyond int32": ("/extras/detokenize", {"tokens": [10**23]}),
+    # Token ids outside the vocabulary: a RuntimeError of Llama.detokenize.
+    "token id past the vocabulary": ("/extras/detokenize", {"tokens": [99_999_999]}),
+    "negative token id": ("/extras/detokenize", {"tokens": [-5]}),
+    # Schemas the JSON-schema-to-grammar converter fails on: AttributeError.
+    "json_schema schema not an object": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+    ),
+    "json_schema properties not an object": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": 5}}}},
+    ),
+    # Tools and functions without the keys the chat handler reads: KeyError.
+    "tool without function": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "tools": [{"a": 1}], "tool_choice": {"x": 1}},
+    ),
+    "function without name": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "functions": [{}], "function_call": {"name": "x"}},
+    ),
+    # Token-id prompts are the server's addition; Llama's echo concatenated them to text.
+    "echo of a token-id prompt": ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "echo": True}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_RUN_BAD_REQUESTS), ids=list(SCHEMA_RUN_BAD_REQUESTS))
+def test_schema_run_bad_requests_get_400(client, case):
+    path, payload = SCHEMA_RUN_BAD_REQUESTS[case]
+    r = client.post(path, json=payload)
+    assert r.status_code == 400, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "tool", "content": None}], [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]],
+    ids=["null content", "content parts"],
+)
+def test_messages_the_chat_template_cannot_format_get_400(client, messages):
+    # SmolLM2's template concatenates content as a string: TypeError inside the template.
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "chat_template_error" and error["param"] == "messages"
+    assert "chat template" in error["message"]
+
+
+def test_tool_choice_of_a_tool_without_parameters(client):
+    # OpenAI makes `parameters` optional; the handler read it unconditionally (KeyError).
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Call it."}],
+            "tools": [{"type": "function", "function": {"name": "ping"}}],
+            "tool_choice": {"type": "function", "function": {"name": "ping"}},
+            "max_tokens": 4,
+            **GREEDY,
+        },
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_of_an_empty_prompt_with_logprobs(client, stream):
+    # Llama's echo path indexed an empty list (IndexError: a 500, or an error event mid-stream).
+    r = client.post("/v1/completions", json={"prompt": "", "echo": True, "logprobs": 2, "max_tokens": 2, "stream": stream, **GREEDY})
+    assert r.status_code == 200, r.text
+    if stream:
+        data = _sse_data(r.text)
+        assert data[-1] == "[DONE]" and not any('"error"' in d for d in data), data
+    else:
+        assert r.json()["choices"][0]["logprobs"] is not None
+
+
+def test_null_penalties_mean_the_default(client):
+    # The schema allows null; the sampler got None ("must be real number, not NoneType").
+    base = {"prompt": "1, 2, 3,", "max_tokens": 3, **GREEDY}
+    expected = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    for chat in (False, True):
+        nulls = {"presence_penalty": None, "frequency_penalty": None}
+        if chat:
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **GREEDY, **nulls})
+        else:
+            r = client.post("/v1/completions", json={**base, **nulls})
+            assert r.json()["choices"][0]["text"] == expected
+        assert r.status_code == 200, r.text
+
+
+def test_embeddings_on_a_server_without_them_get_400(our_llama, smollm2_path):
+    # "Llama model must be created with embedding=True" was a RuntimeError: 500.
+    llama = our_llama("smollm2")  # embedding=False
+    app = create_app(
+        server_settings=ServerSettings(),
+        model_settings=[ModelSettings(model=smollm2_path, verbose=False)],
+        llama=llama,
+    )
+    with TestClient(app) as c:
+        r = c.post("/v1/embeddings", json={"input": "hello"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "embeddings_disabled"
+    assert "--embedding true" in r.json()["error"]["message"]
+
+
+def test_wrong_method_names_the_allowed_ones(client):
+    # RFC 9110: a 405 carries Allow; the app's error handler dropped it.
+    r = client.delete("/v1/completions")
+    assert r.status_code == 405
+    assert r.headers["allow"] == "POST"
+    assert set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_missing_body_is_named(client):
+    r = client.post("/v1/completions")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "The request needs a JSON object body"
+
+
+def test_openapi_documents_what_the_server_answers(app, smollm2_path):
+    """Errors are 400 with OpenAI's body (FastAPI documented 422, which the server never
+    sends), the bearer key is declared only when one is required, and 200 answers have
+    schemas, with server-sent events for the streaming routes (FastAPI: `{}`)."""
+    doc = app.openapi()
+    assert "securitySchemes" not in doc.get("components", {})
+    for path, operations in doc["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            assert "422" not in responses and "security" not in operation, path
+            assert responses["200"]["content"]["application/json"]["schema"], path
+            if "requestBody" in operation:
+                assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
+
+    keyed = create_app(
+        server_settings=ServerSettings(api_key="sesame"),
+        model_settings=[ModelSettings(model=smollm2_path, verbose=False)],
+        llama=app.state.powerinfer.proxy.current,
+    ).openapi()
+    completions = keyed["paths"]["/v1/completions"]["post"]
+    assert completions["security"] == [{"HTTPBearer": []}] and "401" in completions["responses"]
+    assert "security" not in keyed["paths"]["/health"]["get"]
+
+
+def test_disconnect_stops_a_whole_completion(live):
+    """A non-streamed generation whose client gave up (a 1 s timeout here) stops at its next
+    token and frees the model; it used to run on to the end of the context for nobody,
+    holding the model lock meanwhile."""
+    state = live.state
+    before = state.stats.get("generations_cancelled", 0)
+    # Counting on, min_tokens keeping EOS away, max_tokens 0: until the context (512) is full.
+    request = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 0, "min_tokens": 400, **GREEDY}
+    with httpx.Client(base_url=live.url, timeout=httpx.Timeout(1.0, connect=10.0)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=request)
+    deadline = time.monotonic() + 120
+    while state.stats.get("generations_cancelled", 0) == before:
+        assert time.monotonic() < deadline, f"the generation did not stop: {state.stats}"
+        time.sleep(0.05)
+    llama = state.proxy.current
+    assert llama.n_tokens < N_CTX - 100, llama.n_tokens  # stopped early, not at the end
+    with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+        assert c.get("/health").json()["requests_waiting"] == 0
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, **GREEDY})
+        assert r.status_code == 200, r.text

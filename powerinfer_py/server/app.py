@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -25,6 +26,7 @@ try:
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import Response
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+    from pydantic import BaseModel
     from sse_starlette.sse import EventSourceResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,11 +40,18 @@ from .. import __version__
 from .model import ModelProxy
 from .settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from .types import (
+    CreateChatCompletionChunk,
     CreateChatCompletionRequest,
+    CreateChatCompletionResponse,
     CreateCompletionRequest,
+    CreateCompletionResponse,
     CreateEmbeddingRequest,
+    CreateEmbeddingResponse,
     DetokenizeInputRequest,
     DetokenizeInputResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
     TokenizeInputCountResponse,
     TokenizeInputRequest,
     TokenizeInputResponse,
@@ -118,11 +127,39 @@ def _context_length_error(
     return APIError(400, message, param="messages" if chat else "prompt", code="context_length_exceeded")
 
 
+def _raised_by_chat_template(exc: BaseException) -> bool:
+    """Whether `exc` comes from rendering a Jinja2 chat template: the template could not
+    format the request's messages or tools (content null or a list where it concatenates
+    strings, a role order it rejects with raise_exception, ...)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - jinja2 comes with llama-cpp-python
+        return False
+    if isinstance(exc, TemplateError):
+        return True
+    tb = exc.__traceback__
+    innermost = None
+    while tb is not None:
+        innermost, tb = tb, tb.tb_next
+    # Jinja2 compiles templates made from strings (the GGUF's) to code named "<template>".
+    return innermost is not None and innermost.tb_frame.f_code.co_filename == "<template>"
+
+
 def _error_from_exception(exc: BaseException, body: Any = None) -> APIError:
     """Map an exception raised by the model to an API error (4xx for bad requests)."""
     if isinstance(exc, APIError):
         return exc
     text = str(exc) or type(exc).__name__
+    if isinstance(exc, OverflowError):
+        # A number of the request that does not fit the C type it is passed as.
+        return APIError(400, f"A number in the request is out of range: {text}", code="invalid_value")
+    if isinstance(body, CreateChatCompletionRequest) and _raised_by_chat_template(exc):
+        return APIError(
+            400,
+            f"The model's chat template cannot format these messages: {text}",
+            param="messages",
+            code="chat_template_error",
+        )
     match = re.search(r"Requested tokens \((\d+)\) exceed context window of (\d+)", text)
     if match is not None:
         return _context_length_error(
@@ -154,6 +191,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"Invalid JSON body: {first.get('msg', '')}", code="invalid_json")
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return APIError(400, "The request needs a JSON object body", code="invalid_value")
     param = ".".join(loc) or None
     messages = []
     for err in errors:
@@ -184,6 +223,8 @@ class ServerState:
             "streams_interrupted": 0,
             "streams_failed": 0,
             "chunks_streamed": 0,
+            # Non-streamed generations stopped because their client went away.
+            "generations_cancelled": 0,
         }
         self.last_stream: Dict[str, Any] = {}
 
@@ -222,9 +263,15 @@ async def _get_llama(state: ServerState, model: Optional[str]):
 
 
 def _prepare_kwargs(
-    llama: Any, body: Union[CreateCompletionRequest, CreateChatCompletionRequest], kwargs: Dict[str, Any]
+    llama: Any,
+    body: Union[CreateCompletionRequest, CreateChatCompletionRequest],
+    kwargs: Dict[str, Any],
+    cancelled: Optional[threading.Event] = None,
 ) -> None:
-    """What llama_cpp.server's prepare_request_resources does: logit bias, grammar, min_tokens."""
+    """What llama_cpp.server's prepare_request_resources does: logit bias, grammar, min_tokens;
+    and, given `cancelled`, a logits processor that stops the generation once it is set."""
+    if isinstance(body, CreateCompletionRequest):
+        _empty_prompt_as_bos(llama, kwargs)
     if body.logit_bias is not None:
         if body.logit_bias_type == "tokens":
             to_bias: Dict[str, float] = {}
@@ -246,17 +293,86 @@ def _prepare_kwargs(
         from ..llama_grammar import LlamaGrammar
 
         kwargs["grammar"] = LlamaGrammar.from_string(body.grammar)
+    elif isinstance(body, CreateChatCompletionRequest):
+        grammar = _json_schema_grammar(body)
+        if grammar is not None:
+            kwargs["grammar"] = grammar
+    processors: List[Callable[..., Any]] = []
     if body.min_tokens > 0:
-        from .. import LogitsProcessorList
         from ..llama import MinTokensLogitsProcessor
 
-        kwargs["logits_processor"] = LogitsProcessorList(
-            [MinTokensLogitsProcessor(body.min_tokens, llama.token_eos())]
-        )
+        processors.append(MinTokensLogitsProcessor(body.min_tokens, llama.token_eos()))
+    if cancelled is not None:
+        processors.append(_CancelGeneration(cancelled))
+    if processors:
+        from .. import LogitsProcessorList
+
+        kwargs["logits_processor"] = LogitsProcessorList(processors)
+
+
+def _empty_prompt_as_bos(llama: Any, kwargs: Dict[str, Any]) -> None:
+    """An empty text prompt with logprobs becomes the prompt [BOS], which is what the model
+    reads for "" anyway: Llama's own empty-prompt path puts that BOS among the completion's
+    tokens, which misaligns the logprobs (and fails in a stream past its first token)."""
+    if kwargs.get("prompt") != "" or kwargs.get("logprobs") is None or kwargs.get("suffix") is not None:
+        return
+    bos = llama.token_bos()
+    if bos >= 0:
+        kwargs["prompt"] = [bos]
+
+
+def _json_schema_grammar(body: CreateChatCompletionRequest) -> Any:
+    """The grammar of response_format {"type": "json_schema", ...}, made here so that a
+    schema the converter cannot handle is the client's 400 (the converter fails on many
+    shapes with TypeError, AttributeError, KeyError, ...); None for other formats."""
+    response_format = body.response_format
+    if response_format is None or response_format.type != "json_schema":
+        return None
+    from ..llama_grammar import JSON_GBNF, LlamaGrammar
+
+    spec = response_format.json_schema
+    schema = spec.schema_ if spec is not None else None
+    if schema is None:
+        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+    try:
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except Exception as exc:
+        raise APIError(
+            400,
+            f"response_format.json_schema.schema is not a JSON schema this server can follow: "
+            f"{type(exc).__name__}: {exc}",
+            param="response_format",
+            code="invalid_value",
+        ) from None
+
+
+class _GenerationCancelled(Exception):
+    """Raised inside the model's sampling loop to stop a generation nobody waits for."""
+
+
+class _CancelGeneration:
+    """A logits processor that ends the generation once `event` is set: the one hook into
+    the token loop that Llama.create_completion and create_chat_completion both take."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        if self.event.is_set():
+            raise _GenerationCancelled()
+        return scores
+
+
+def _null_penalties_as_default(kwargs: Dict[str, Any]) -> None:
+    # The schema allows null (OpenAI's "use the default"); Llama wants a number.
+    for name in ("presence_penalty", "frequency_penalty"):
+        if kwargs.get(name) is None:
+            kwargs[name] = 0.0
 
 
 def _completion_kwargs(body: CreateCompletionRequest) -> Dict[str, Any]:
     kwargs = body.model_dump(exclude={"n", "best_of", "logit_bias_type", "user", "min_tokens"})
+    _null_penalties_as_default(kwargs)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) > 1:
@@ -264,13 +380,32 @@ def _completion_kwargs(body: CreateCompletionRequest) -> Dict[str, Any]:
         kwargs["prompt"] = prompt[0]
     elif isinstance(prompt, list) and not prompt:
         kwargs["prompt"] = ""
+    if body.echo:
+        if isinstance(kwargs["prompt"], list):
+            # Token-id prompts are this server's addition; Llama echoes only text.
+            raise APIError(400, "echo needs a text prompt, not token ids", param="echo")
+        if kwargs["prompt"] == "":
+            # Nothing to echo; Llama's echo path fails on an empty prompt with logprobs.
+            kwargs["echo"] = False
     return kwargs
+
+
+_TOOL_FIELDS = ("functions", "function_call", "tools", "tool_choice")
 
 
 def _chat_kwargs(body: CreateChatCompletionRequest) -> Dict[str, Any]:
     kwargs = body.model_dump(
-        exclude={"n", "logit_bias_type", "user", "min_tokens", "max_completion_tokens", "response_format"}
+        exclude={"n", "logit_bias_type", "user", "min_tokens", "max_completion_tokens", "response_format", *_TOOL_FIELDS}
     )
+    for name in _TOOL_FIELDS:  # as sent, without the nulls of optional keys left out
+        value = getattr(body, name)
+        if isinstance(value, list):
+            kwargs[name] = [item.model_dump(exclude_none=True) for item in value]
+        elif isinstance(value, BaseModel):
+            kwargs[name] = value.model_dump(exclude_none=True)
+        else:
+            kwargs[name] = value
+    _null_penalties_as_default(kwargs)
     if body.max_tokens is None and body.max_completion_tokens is not None:
         kwargs["max_tokens"] = body.max_completion_tokens
     kwargs["response_format"] = (
@@ -416,19 +551,52 @@ async def create_chat_completion(request: Request, body: CreateChatCompletionReq
 
 
 async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method: str) -> Response:
+    """A whole (non-streamed) completion. If the client disconnects meanwhile (its timeout,
+    say), the generation stops at its next token and frees the model for the queue,
+    instead of running on to max_tokens or the end of the context for nobody."""
     state = _state(request)
     release = await state.acquire()
+    cancelled = threading.Event()
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
         llama = await _get_llama(state, body.model)
-        _prepare_kwargs(llama, body, kwargs)
-        result = await run_in_threadpool(lambda: getattr(llama, method)(**kwargs))
+        _prepare_kwargs(llama, body, kwargs, cancelled)
+        result = await _run_until_disconnect(request, cancelled, lambda: getattr(llama, method)(**kwargs))
+    except _GenerationCancelled:
+        state.stats["generations_cancelled"] += 1
+        print(f"powerinfer_py.server: client {request.client} disconnected; generation stopped", file=sys.stderr)
+        return _error_response(APIError(400, "Client closed request"))
     except Exception as exc:
         return _error_response(_error_from_exception(exc, body))
     finally:
         release()
     return _json_response(result)
+
+
+async def _run_until_disconnect(request: Request, cancelled: threading.Event, fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread, with `cancelled` set if the client disconnects meanwhile."""
+    error: Optional[Exception] = None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_set_on_disconnect, request, cancelled)
+        try:
+            result = await run_in_threadpool(fn)
+        except Exception as exc:  # raised below, not as an ExceptionGroup of the task group
+            error = exc
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+async def _set_on_disconnect(request: Request, event: threading.Event) -> None:
+    """Set `event` when the client disconnects (the body is read: what the server
+    receives next is the disconnect); cancelled when the response is ready first."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            event.set()
+            return
 
 
 def _embedding_to_base64(embedding: Any) -> Any:
@@ -442,6 +610,13 @@ async def create_embedding(request: Request, body: CreateEmbeddingRequest) -> Re
     release = await state.acquire()
     try:
         llama = await _get_llama(state, body.model)
+        if not getattr(getattr(llama, "context_params", None), "embeddings", True):
+            raise APIError(
+                400,
+                "This server's model was loaded without embeddings: start it with --embedding true "
+                "to use /v1/embeddings",
+                code="embeddings_disabled",
+            )
         result = await run_in_threadpool(lambda: llama.create_embedding(input=body.input, model=body.model))
     except Exception as exc:
         return _error_response(_error_from_exception(exc, body))
@@ -486,10 +661,19 @@ async def count_query_tokens(request: Request, body: TokenizeInputRequest) -> To
 
 
 async def detokenize(request: Request, body: DetokenizeInputRequest) -> DetokenizeInputResponse:
-    text = await _with_model(
-        request, body.model, lambda llama: llama.detokenize(body.tokens).decode("utf-8", errors="replace")
-    )
-    return DetokenizeInputResponse(text=text)
+    def run(llama: Any) -> str:
+        n_vocab = llama.n_vocab()
+        outside = [t for t in body.tokens if t >= n_vocab]
+        if outside:
+            raise APIError(
+                400,
+                f"tokens {outside[:8]} are outside the vocabulary [0, {n_vocab})",
+                param="tokens",
+                code="invalid_value",
+            )
+        return llama.detokenize(body.tokens).decode("utf-8", errors="replace")
+
+    return DetokenizeInputResponse(text=await _with_model(request, body.model, run))
 
 
 async def _with_model(request: Request, model: Optional[str], fn: Callable[[Any], Any]) -> Any:
@@ -579,10 +763,13 @@ def create_app(
         else:
             message = str(exc.detail)
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        return _json_response(
+        response = _json_response(
             {"error": {"message": message, "type": error_type, "param": None, "code": None}},
             exc.status_code,
         )
+        # E.g. the Allow header of a 405, which RFC 9110 requires.
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -608,4 +795,96 @@ def create_app(
         "/extras/tokenize/count", count_query_tokens, methods=["POST"], dependencies=auth, tags=extras, summary="Tokenize Count"
     )
     app.add_api_route("/extras/detokenize", detokenize, methods=["POST"], dependencies=auth, tags=extras, summary="Detokenize")
+    _document_responses(app, server_settings.api_key is not None)
     return app
+
+
+# ---------------------------------------------------------------------------- OpenAPI schema
+
+
+# The 200 answer of each route (FastAPI infers only the annotated return types), and the
+# event of the routes that stream with stream=true.
+_OK_MODELS: Dict[str, type] = {
+    "/v1/completions": CreateCompletionResponse,
+    "/v1/chat/completions": CreateChatCompletionResponse,
+    "/v1/embeddings": CreateEmbeddingResponse,
+    "/v1/models": ModelList,
+    "/health": HealthResponse,
+}
+_STREAM_EVENT_MODELS: Dict[str, type] = {
+    "/v1/completions": CreateCompletionResponse,
+    "/v1/chat/completions": CreateChatCompletionChunk,
+}
+
+
+def _ref(model: type) -> Dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _stream_event_schema(chunk: type) -> Dict[str, Any]:
+    """One server-sent event of a streamed completion: a chunk, an error after the stream
+    started (the status is already 200), or the final "[DONE]"."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
+                    },
+                ]
+            }
+        },
+    }
+
+
+def _document_responses(app: FastAPI, api_key_required: bool) -> None:
+    """Make /openapi.json say what the routes answer, which FastAPI's defaults do not:
+    errors are 400 (and 401 for a wrong API key) with OpenAI's error body, never 422; the
+    bearer key is required only when the server has one; completions are JSON, or with
+    stream=true server-sent events, each described."""
+    generate = app.openapi
+    models = [ErrorResponse, *_OK_MODELS.values(), *_STREAM_EVENT_MODELS.values()]
+
+    def openapi() -> Dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from pydantic.json_schema import models_json_schema
+
+        schema = generate()  # FastAPI's (cached on app.openapi_schema, edited in place)
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        _, definitions = models_json_schema(
+            [(model, "serialization") for model in dict.fromkeys(models)],
+            ref_template="#/components/schemas/{model}",
+        )
+        for name, definition in definitions.get("$defs", {}).items():
+            schemas.setdefault(name, definition)
+        error = {"content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                if "requestBody" in operation:
+                    responses["400"] = {"description": "Invalid request", **error}
+                if api_key_required and operation.get("security"):
+                    responses["401"] = {"description": "Missing or wrong API key", **error}
+                else:
+                    operation.pop("security", None)
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                if path in _OK_MODELS:
+                    ok["content"] = {"application/json": {"schema": _ref(_OK_MODELS[path])}}
+                if path in _STREAM_EVENT_MODELS:
+                    ok["description"] = "The completion; with stream=true, server-sent events"
+                    ok["content"]["text/event-stream"] = {"schema": _stream_event_schema(_STREAM_EVENT_MODELS[path])}
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        if not api_key_required:
+            components.pop("securitySchemes", None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

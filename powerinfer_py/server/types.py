@@ -7,15 +7,21 @@ of the OpenAI API that neither server uses are ignored, as pydantic ignores unkn
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Counts and token ids reach the C core as 32-bit ints: larger values are rejected here
+# (400) instead of overflowing on the way (llama_cpp.server answers those with a 500).
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 model_field = Field(description="The model to use for generating completions.", default=None)
 
 min_tokens_field = Field(
     default=0,
     ge=0,
+    le=INT32_MAX,
     description="The minimum number of tokens to generate. It may return fewer tokens if another condition is met (e.g. max_tokens, stop).",
 )
 temperature_field = Field(
@@ -42,7 +48,7 @@ stream_field = Field(
     default=False,
     description="Whether to stream the results as they are generated (server-sent events).",
 )
-top_k_field = Field(default=40, ge=0, description="Sample from the K most probable tokens.")
+top_k_field = Field(default=40, ge=0, le=INT32_MAX, description="Sample from the K most probable tokens.")
 repeat_penalty_field = Field(
     default=1.1, ge=0.0, description="A penalty applied to each token that is already generated."
 )
@@ -74,14 +80,17 @@ n_field = Field(
 class CreateCompletionRequest(BaseModel):
     model: Optional[str] = model_field
     # Token-id prompts are an addition to llama_cpp.server, which takes only strings.
-    prompt: Union[str, List[str], List[int]] = Field(
+    prompt: Union[str, List[str], List[TokenId]] = Field(
         default="", description="The prompt to generate completions for."
     )
     suffix: Optional[str] = Field(
         default=None, description="A suffix to append to the generated text (infill)."
     )
     max_tokens: Optional[int] = Field(
-        default=16, ge=0, description="The maximum number of tokens to generate."
+        default=16,
+        ge=0,
+        le=INT32_MAX,
+        description="The maximum number of tokens to generate; 0 or null: until the context is full.",
     )
     min_tokens: int = min_tokens_field
     temperature: float = temperature_field
@@ -91,7 +100,7 @@ class CreateCompletionRequest(BaseModel):
     stop: Optional[Union[str, List[str]]] = stop_field
     stream: bool = stream_field
     logprobs: Optional[int] = Field(
-        default=None, ge=0, description="The number of logprobs to generate. If None, none."
+        default=None, ge=0, le=INT32_MAX, description="The number of logprobs to generate. If None, none."
     )
     presence_penalty: Optional[float] = presence_penalty_field
     frequency_penalty: Optional[float] = frequency_penalty_field
@@ -152,12 +161,58 @@ class ChatCompletionRequestMessage(BaseModel):
     )
 
 
+class ChatCompletionJSONSchema(BaseModel):
+    """OpenAI's response_format.json_schema: the schema the reply must follow, and its name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ChatCompletionResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
-    json_schema: Optional[Dict[str, Any]] = None
+    json_schema: Optional[ChatCompletionJSONSchema] = None
+
+
+# Tools and functions: the shapes the chat handlers read (llama_cpp.server's TypedDicts),
+# so a malformed one is a 400 here, not a KeyError in the handler. Other keys pass through.
+
+
+class ChatCompletionFunction(BaseModel):
+    """A function the model may call: a tool's `function`, or an entry of legacy `functions`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: Optional[str] = None
+    # OpenAI makes it optional; llama_cpp.server requires it. Absent: no arguments.
+    parameters: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionFunction
+
+
+class ChatCompletionFunctionName(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+
+class ChatCompletionNamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionFunctionName
 
 
 class CreateChatCompletionRequest(BaseModel):
@@ -165,27 +220,30 @@ class CreateChatCompletionRequest(BaseModel):
     messages: List[ChatCompletionRequestMessage] = Field(
         default=[], description="A list of messages to generate completions for."
     )
-    functions: Optional[List[Dict[str, Any]]] = Field(
+    functions: Optional[List[ChatCompletionFunction]] = Field(
         default=None, description="A list of functions to apply to the generated completions."
     )
-    function_call: Optional[Union[str, Dict[str, Any]]] = Field(
+    function_call: Optional[Union[Literal["none", "auto"], ChatCompletionFunctionName]] = Field(
         default=None, description="A function to apply to the generated completions."
     )
-    tools: Optional[List[Dict[str, Any]]] = Field(
+    tools: Optional[List[ChatCompletionTool]] = Field(
         default=None, description="A list of tools to apply to the generated completions."
     )
-    tool_choice: Optional[Union[str, Dict[str, Any]]] = Field(
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = Field(
         default=None, description="A tool to apply to the generated completions."
     )
     max_tokens: Optional[int] = Field(
-        default=None, ge=0, description="The maximum number of tokens to generate. Defaults to inf"
+        default=None,
+        ge=0,
+        le=INT32_MAX,
+        description="The maximum number of tokens to generate; 0 or null (the default): until the context is full.",
     )
     # OpenAI's newer name for max_tokens; used when max_tokens is not given.
-    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0, le=INT32_MAX)
     min_tokens: int = min_tokens_field
     logprobs: Optional[bool] = Field(default=False, description="Whether to output the logprobs or not.")
     top_logprobs: Optional[int] = Field(
-        default=None, ge=0, description="The number of logprobs to generate (needs logprobs=true)."
+        default=None, ge=0, le=INT32_MAX, description="The number of logprobs to generate (needs logprobs=true)."
     )
     temperature: float = temperature_field
     top_p: float = top_p_field
@@ -240,8 +298,161 @@ class TokenizeInputCountResponse(BaseModel):
 
 class DetokenizeInputRequest(BaseModel):
     model: Optional[str] = model_field
-    tokens: List[int] = Field(description="A list of tokens to detokenize.")
+    tokens: List[TokenId] = Field(description="A list of tokens to detokenize.")
 
 
 class DetokenizeInputResponse(BaseModel):
     text: str = Field(description="The detokenized text.")
+
+
+# ---------------------------------------------------------------------------- responses
+#
+# Documentation of what the routes answer (the OpenAPI schema at /openapi.json): the routes
+# build their JSON themselves, so these models are never used to serialize. Keys the
+# models do not name may appear (they allow extra keys), as in OpenAI's API.
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description='"invalid_request_error" (4xx) or "internal_server_error" (5xx).')
+    param: Optional[str] = Field(description="The request field at fault, when one is.")
+    code: Optional[str] = Field(description='A machine-readable reason, e.g. "context_length_exceeded".')
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer, OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class CompletionUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text_offset: List[int]
+    token_logprobs: List[Optional[float]]
+    tokens: List[str]
+    top_logprobs: List[Optional[Dict[str, float]]]
+
+
+class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    index: int
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[str]
+
+
+class CreateCompletionResponse(BaseModel):
+    """A completion; with stream=true each server-sent event carries one of these (without usage)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[CompletionUsage] = None
+
+
+class ChatCompletionResponseMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    message: ChatCompletionResponseMessage
+    logprobs: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str]
+
+
+class CreateChatCompletionResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: List[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    delta: Dict[str, Any]
+    logprobs: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str]
+
+
+class CreateChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: List[ChatCompletionChunkChoice]
+
+
+class Embedding(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    object: Literal["embedding"]
+    index: int
+    # One vector, or one per token (pooling none); base64: little-endian float32 bytes.
+    embedding: Union[List[float], List[List[float]], str, List[str]]
+
+
+class EmbeddingUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class CreateEmbeddingResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    object: Literal["list"]
+    model: str
+    data: List[Embedding]
+    usage: EmbeddingUsage
+
+
+class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["model"]
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    object: Literal["list"]
+    data: List[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: str = Field(description='"ok", or "no model loaded" while a model swap failed.')
+    engine: Optional[str]
+    requests_waiting: int
