@@ -570,6 +570,13 @@ SCHEMA_RUN_BAD_REQUESTS = {
     ),
     # Token-id prompts are the server's addition; Llama's echo concatenated them to text.
     "echo of a token-id prompt": ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "echo": True}),
+    # Not a 500 but a hang: the whole vocabulary's logprobs at every position, computed after
+    # the generation, past a client's timeout (the long schema run's 60 s read timeout).
+    "logprobs past 20": ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 49152}),
+    "top_logprobs past 20": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 49152},
+    ),
 }  # fmt: skip
 
 

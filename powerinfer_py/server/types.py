@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 # (400) instead of overflowing on the way (llama_cpp.server answers those with a 500).
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Alternatives listed per generated token: OpenAI allows at most 5 (completions) and 20
+# (chat). Unbounded (llama_cpp.server), up to the whole vocabulary is detokenized at every
+# position, ~0.2 s per token for SmolLM2's 49152 and after the generation, where a
+# client's disconnect cannot stop it: a request that holds the model for minutes.
+MAX_LOGPROBS = 20
 
 model_field = Field(description="The model to use for generating completions.", default=None)
 
@@ -100,7 +105,7 @@ class CreateCompletionRequest(BaseModel):
     stop: Optional[Union[str, List[str]]] = stop_field
     stream: bool = stream_field
     logprobs: Optional[int] = Field(
-        default=None, ge=0, le=INT32_MAX, description="The number of logprobs to generate. If None, none."
+        default=None, ge=0, le=MAX_LOGPROBS, description="The number of logprobs to generate. If None, none."
     )
     presence_penalty: Optional[float] = presence_penalty_field
     frequency_penalty: Optional[float] = frequency_penalty_field
@@ -243,7 +248,7 @@ class CreateChatCompletionRequest(BaseModel):
     min_tokens: int = min_tokens_field
     logprobs: Optional[bool] = Field(default=False, description="Whether to output the logprobs or not.")
     top_logprobs: Optional[int] = Field(
-        default=None, ge=0, le=INT32_MAX, description="The number of logprobs to generate (needs logprobs=true)."
+        default=None, ge=0, le=MAX_LOGPROBS, description="The number of logprobs to generate (needs logprobs=true)."
     )
     temperature: float = temperature_field
     top_p: float = top_p_field
