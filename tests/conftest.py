@@ -10,9 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import pytest
 
@@ -126,7 +127,9 @@ def free_port() -> int:
 
 class ServerProcess:
     """`python -m powerinfer_py.server --model PATH ...` in a child process on a free port of
-    127.0.0.1, up (its /health answers 200) when the `with` block starts, stopped after it."""
+    127.0.0.1, up (its /health answers 200) when the `with` block starts, stopped after it.
+    Its output is read all along into `log` (lines): a pipe nobody reads blocks the server
+    once its log passes the pipe's 64 KiB."""
 
     def __init__(self, model_path: str, *args: str, alias: str = "smollm2"):
         self.port = free_port()
@@ -142,10 +145,15 @@ class ServerProcess:
 
         env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "HOST", "PORT", "MODEL")}
         self.proc = subprocess.Popen(self.cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.log: List[str] = []
+        self._reader = threading.Thread(target=self._drain, name="server-log", daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 90
         try:
             while True:
-                assert self.proc.poll() is None, self.proc.stdout.read().decode(errors="replace")
+                if self.proc.poll() is not None:
+                    self._reader.join(timeout=5)
+                    raise AssertionError("the server exited:\n" + "".join(self.log[-200:]))
                 assert time.monotonic() < deadline, "the server did not come up within 90 s"
                 try:
                     if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -156,6 +164,10 @@ class ServerProcess:
             self.__exit__()
             raise
 
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.decode(errors="replace"))
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
@@ -163,4 +175,5 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=15)
+        self._reader.join(timeout=15)
         self.proc.stdout.close()

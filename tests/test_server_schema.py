@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import threading
 import time
 from typing import Any, Dict, List
 
@@ -83,19 +82,7 @@ def server(smollm2_path):
     # at every layer run many times slower than one.
     args = ("--n_ctx", str(N_CTX), "--n_batch", str(N_CTX), "--embedding", "true", "--vram-budget", "0")
     args += ("--n_threads", "1", "--n_threads_batch", "1")
-    with ServerProcess(smollm2_path, *args) as proc:
-        # Drain its output (an access-log line per request): a full pipe would block it.
-        log: List[str] = []
-
-        def drain() -> None:
-            try:
-                for line in proc.proc.stdout:
-                    log.append(line.decode(errors="replace"))
-            except (ValueError, OSError):  # closed by ServerProcess.__exit__
-                pass
-
-        threading.Thread(target=drain, name="server-log", daemon=True).start()
-        proc.log = log
+    with ServerProcess(smollm2_path, *args) as proc:  # it reads the server's output into proc.log
         started = time.monotonic()
         yield proc
         STATS["duration_s"] = round(time.monotonic() - started, 1)
