@@ -18,7 +18,7 @@
 // Largest batch that takes the sparse FFN path by default: above it the union of the
 // batch's active neurons covers most of the layer and ggml's dense matmul wins
 // (measured on the 7B-shaped synthetic model, see docs/formats.md).
-#define PI_SPARSE_MAX_BATCH 4
+#define PI_SPARSE_MAX_BATCH 8
 
 static int32_t default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
