@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import platform
 import time
+from typing import Callable, List, Sequence
 
 import numpy as np
 
-__all__ = ["cpu_model", "measure_bandwidth"]
+__all__ = ["best_alternating", "cpu_model", "measure_bandwidth", "timed"]
 
 
 def cpu_model() -> str:
@@ -39,4 +40,21 @@ def measure_bandwidth(threads: int, n_bytes: int = 1 << 30) -> float:
             t = time.perf_counter()
             list(pool.map(np.sum, parts))
             best = max(best, n_bytes / (time.perf_counter() - t))
+    return best
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def best_alternating(runs: Sequence[Callable[[], float]], reps: int) -> List[float]:
+    """Each run (returning the seconds it measured) called in turn, `reps` rounds: the best
+    time of each. Alternating keeps engines under the same bandwidth, which drifts."""
+    best = [float("inf")] * len(runs)
+    for _ in range(reps):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], run())
     return best

@@ -80,6 +80,7 @@ rm -rf "$OUT/seeds"
 .venv/bin/python tests/fuzz/make_seeds.py "$OUT/seeds"
 mkdir -p "$OUT/artifacts" "$OUT/logs"
 
+. "$ROOT/scripts/fuzz_common.sh"
 status=0
 summary=()
 for t in $TARGETS; do
@@ -87,25 +88,10 @@ for t in $TARGETS; do
     mkdir -p "$corpus"
     log=$OUT/logs/$t.log
     note "fuzz-$t for ${SECONDS_EACH}s (corpus $corpus, log $log)"
-    before=$(find "$OUT/artifacts" -name "$t-*" -type f | wc -l)
     args=(-max_total_time="$SECONDS_EACH" -max_len="$MAX_LEN" -timeout=10 -rss_limit_mb=2048
           -dict=tests/fuzz/gguf.dict -artifact_prefix="$OUT/artifacts/$t-" -print_final_stats=1)
     [ "$JOBS" -gt 1 ] && args+=(-fork="$JOBS" -ignore_crashes=0)
-    rc=0
-    t0=$(date +%s)
-    "$OUT/bin/fuzz-$t" "${args[@]}" "$corpus" "$OUT/seeds/$t" >"$log" 2>&1 || rc=$?
-    elapsed=$(( $(date +%s) - t0 ))
-    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-    if [ -z "$execs" ]; then  # fork mode prints its totals on the status lines
-        execs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#')
-    fi
-    crashes=$(( $(find "$OUT/artifacts" -name "$t-*" -type f | wc -l) - before ))
-    if [ "$rc" -ne 0 ]; then
-        status=1
-        [ "$crashes" -gt 0 ] || crashes=1
-        tail -40 "$log" >&2
-    fi
-    summary+=("fuzz-$t: ${execs:-0} executions in ${elapsed} s, crashes: $crashes (exit $rc), corpus $(find "$corpus" -type f | wc -l) files")
+    fuzz_target "$t" "$corpus" "$log" "$OUT/artifacts" "$OUT/bin/fuzz-$t" "${args[@]}" "$corpus" "$OUT/seeds/$t"
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"

@@ -44,6 +44,7 @@ rm -rf "$OUT/seeds"
 mkdir -p "$OUT/artifacts" "$OUT/logs"
 "$PY" "$FUZZ_DIR/make_seeds.py" "$OUT/seeds"
 
+. "$ROOT/scripts/fuzz_common.sh"
 status=0
 summary=()
 for t in $TARGETS; do
@@ -51,29 +52,15 @@ for t in $TARGETS; do
     mkdir -p "$corpus"
     log=$OUT/logs/$t.log
     note "fuzz-$t for ${SECONDS_EACH}s (corpus $corpus, log $log)"
-    before=$(find "$OUT/artifacts" -name "$t-*" -type f | wc -l)
     args=(-max_total_time="$SECONDS_EACH" -max_len="$MAX_LEN" -timeout="$TIMEOUT" -rss_limit_mb="$RSS_MB"
           -artifact_prefix="$OUT/artifacts/$t-" -print_final_stats=1)
     [ -f "$FUZZ_DIR/$t.dict" ] && args+=(-dict="$FUZZ_DIR/$t.dict")
     # the tokenizer's C++ is not instrumented: value profiles of the Python-side checks of
     # its output (ids against the vocabulary) are its only feedback
     [ "$t" = tokenizer ] && args+=(-use_value_profile=1)
-    rc=0
-    t0=$(date +%s)
     # PYTHONHASHSEED: a fixed hash order keeps the instrumented code's paths reproducible
-    PYTHONHASHSEED=0 "$PY" "$FUZZ_DIR/fuzz_$t.py" "${args[@]}" "$corpus" "$OUT/seeds/$t" >"$log" 2>&1 || rc=$?
-    elapsed=$(( $(date +%s) - t0 ))
-    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-    if [ -z "$execs" ]; then  # a run that died early prints no final stats
-        execs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#')
-    fi
-    crashes=$(( $(find "$OUT/artifacts" -name "$t-*" -type f | wc -l) - before ))
-    if [ "$rc" -ne 0 ]; then
-        status=1
-        [ "$crashes" -gt 0 ] || crashes=1
-        tail -40 "$log" >&2
-    fi
-    summary+=("fuzz-$t: ${execs:-0} executions in ${elapsed} s, crashes: $crashes (exit $rc), corpus $(find "$corpus" -type f | wc -l) files")
+    fuzz_target "$t" "$corpus" "$log" "$OUT/artifacts" \
+        env PYTHONHASHSEED=0 "$PY" "$FUZZ_DIR/fuzz_$t.py" "${args[@]}" "$corpus" "$OUT/seeds/$t"
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"

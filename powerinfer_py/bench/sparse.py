@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .._machine import cpu_model, measure_bandwidth
+from .._machine import best_alternating, cpu_model, measure_bandwidth
+from ..pipeline.evaluate import prompt_timer
 from .common import ChildError, add_pair_arguments, missing_pair, print_table, spawn
 
 PROMPT_TEXT = (
@@ -132,16 +133,7 @@ def prompt_pair(dense_path: str, path: str, mode: str, threads: int, lengths: Se
     for n in lengths:
         toks_ref = _prompt_tokens(lambda b: ref.tokenize(b), n)
         toks_ours = _prompt_tokens(lambda b: ours.tokenize(b), n)
-        best_ref = best_ours = float("inf")
-        for _ in range(reps):
-            ref.reset()
-            t = time.perf_counter()
-            ref.eval(toks_ref)
-            best_ref = min(best_ref, time.perf_counter() - t)
-            ours.reset()
-            t = time.perf_counter()
-            ours.eval(toks_ours)
-            best_ours = min(best_ours, time.perf_counter() - t)
+        best_ref, best_ours = best_alternating([prompt_timer(ref, toks_ref), prompt_timer(ours, toks_ours)], reps)
         out[str(n)] = {"ref_tok_s": n / best_ref, "ours_tok_s": n / best_ours}
     return out
 

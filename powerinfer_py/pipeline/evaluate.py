@@ -33,12 +33,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._core import Context, Model
-from .._machine import cpu_model
+from .._machine import best_alternating, cpu_model, timed
 from ..formats.gguf_io import open_gguf, tensor_f32
 from .common import PipelineError, Progress, run_cli, tokenize_texts
 
@@ -186,6 +186,16 @@ def activity(path: str, texts: Sequence[np.ndarray], threads: int, with_predicto
 # ---- speed -----------------------------------------------------------------------------------
 
 
+def prompt_timer(engine: Any, tokens: Sequence[int]) -> Callable[[], float]:
+    """A run for best_alternating: an empty cache, then the whole prompt in one eval call
+    (llama-cpp-python's Llama and ours alike); returns the seconds of the eval."""
+    def run() -> float:
+        engine.reset()
+        return timed(lambda: engine.eval(tokens))
+
+    return run
+
+
 def speed(path: str, reference: str, modes: Sequence[str], prompt: Sequence[int], threads: int, n_gen: int,
           reps: int = 3) -> Dict[str, Any]:
     """Decode (n_gen teacher-forced single-token steps after a 16-token prompt and 4 untimed
@@ -221,16 +231,7 @@ def speed(path: str, reference: str, modes: Sequence[str], prompt: Sequence[int]
                     t = time.perf_counter()
                     ours.eval([tok])
                     t_ours += time.perf_counter() - t
-                p_ref = p_ours = float("inf")
-                for _ in range(reps):
-                    ref.reset()
-                    t = time.perf_counter()
-                    ref.eval(toks)
-                    p_ref = min(p_ref, time.perf_counter() - t)
-                    ours.reset()
-                    t = time.perf_counter()
-                    ours.eval(toks)
-                    p_ours = min(p_ours, time.perf_counter() - t)
+                p_ref, p_ours = best_alternating([prompt_timer(ref, toks), prompt_timer(ours, toks)], reps)
                 out[mode] = {"decode_ref": n_gen / t_ref, "decode": n_gen / t_ours,
                              "prompt_ref": len(toks) / p_ref, "prompt": len(toks) / p_ours}
             finally:
