@@ -129,16 +129,18 @@ def reference_logp(reference: str, passage: np.ndarray, threads: int) -> np.ndar
         llm.close()
 
 
-def model_logp(model: Model, passage: np.ndarray, threads: int) -> np.ndarray:
+def model_logp(model: Model, passage: np.ndarray, threads: int) -> Tuple[np.ndarray, np.ndarray]:
     """log-softmax of our engine's logits, one token per decode (the sparse path runs as in
-    generation; a batch larger than sparse_max_batch would take the dense path)."""
+    generation; a batch larger than sparse_max_batch would take the dense path), and the
+    engine's own counters of those steps: per layer (neurons computed, neurons considered)."""
     n = len(passage)
     out = np.empty((n - 1, model.n_vocab()), dtype=np.float32)
     with Context(model, n_ctx=n + 8, n_threads=threads, n_threads_batch=threads) as ctx:
         for pos in range(n - 1):
             ctx.decode([int(passage[pos])], pos)
             out[pos] = ctx.logits(-1)
-    return log_softmax(out)
+        counts = np.array([ctx.sparse_stats(il) for il in range(model.n_layer())], dtype=np.float64)
+    return log_softmax(out), counts
 
 
 def _predictors(path: str, n_layer: int) -> Optional[List[Tuple[np.ndarray, np.ndarray]]]:
@@ -287,6 +289,7 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
     quality: Dict[str, Dict[str, Any]] = {}
     with_ref = reference is not None
     models = {m: Model(path, sparse_mode=m) for m in modes}
+    counts = {m: np.zeros((models[m].n_layer(), 2)) for m in modes}
     try:
         for name, ps in texts.items():
             scores = {e: Score() for e in engines}
@@ -297,30 +300,21 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
                     scores["reference"].add(ref_lp, targets, None)
                     done += len(targets)
                 for m in modes:
-                    scores[m].add(model_logp(models[m], p, threads), targets, ref_lp)
+                    logp, c = model_logp(models[m], p, threads)
+                    scores[m].add(logp, targets, ref_lp)
+                    counts[m] += c
                     done += len(targets)
                     bar.update(done)
             quality[name] = {e: s.row(with_ref and e != "reference") for e, s in scores.items()}
-        stats = {}
-        for m in modes:
-            if m == "dense":
-                continue
-            # the share each sparse mode computed, from the engine's own counters, on the
-            # passages of every domain fed one token per decode
-            counts = np.zeros((models[m].n_layer(), 2))
-            for ps in texts.values():
-                for p in ps:
-                    with Context(models[m], n_ctx=len(p) + 8, n_threads=threads, n_threads_batch=threads) as ctx:
-                        for pos, t in enumerate(p):
-                            ctx.decode([int(t)], pos)
-                        counts += [ctx.sparse_stats(il) for il in range(models[m].n_layer())]
-            stats[m] = (counts[:, 0] / np.maximum(counts[:, 1], 1)).tolist()
+        # the share each sparse mode computed, from the engine's own counters of the scoring steps
+        stats = {m: (c[:, 0] / np.maximum(c[:, 1], 1)).tolist() for m, c in counts.items() if m != "dense"}
     finally:
         for mod in models.values():
             mod.close()
     bar.close()
     all_passages = [p for ps in texts.values() for p in ps]
-    act = activity(path, all_passages, threads, with_predictor="predictor" in modes)
+    # over the positions that were scored: each passage's inputs, its last token only a target
+    act = activity(path, [p[:-1] for p in all_passages], threads, with_predictor="predictor" in modes)
     card: Dict[str, Any] = {
         "model": os.path.abspath(path), "reference": os.path.abspath(reference) if reference else None,
         "domains": {name: {"file": os.path.abspath(f), "passages": len(texts[name]),
