@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Llama",
+    "ParallelLlama",
     "LlamaState",
     "LlamaGrammar",
     "LlamaCache",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import llama_cache, llama_chat_format, llama_grammar, llama_types
     from ._core.errors import PowerInferError
     from .llama import Llama, install_as_llama_cpp
+    from .parallel import ParallelLlama
 
 _FROM_UPSTREAM = {
     "LlamaState": "llama",
@@ -59,6 +61,10 @@ def __getattr__(name: str):
         from . import llama
 
         return getattr(llama, name)
+    if name == "ParallelLlama":
+        from .parallel import ParallelLlama
+
+        return ParallelLlama
     if name == "PowerInferError":
         from ._core.errors import PowerInferError
 

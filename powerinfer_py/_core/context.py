@@ -12,7 +12,7 @@ buffers and are valid until the next decode: copy them to keep them.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,6 +64,10 @@ class Context(Handle):
     def n_batch(self) -> int:
         return int(lib.powerinfer_n_batch(self.ptr))
 
+    def sparse_max_batch(self) -> int:
+        """The largest batch that takes the sparse FFN path in this context."""
+        return int(lib.powerinfer_sparse_max_batch(self.ptr))
+
     def n_outputs(self) -> int:
         """Rows of logits of the last decode."""
         return int(lib.powerinfer_n_outputs(self.ptr))
@@ -96,7 +100,53 @@ class Context(Handle):
             raise core_error("no embeddings from the core")
         return _float_view(ptr, n_rows, self.n_embd)
 
+    def decode_batch(self, tokens: Sequence[int], seq_ids: Sequence[int], logits: Sequence[bool],
+                     pos: Optional[Sequence[int]] = None) -> int:
+        """Compute a batch mixing tokens of several sequences (powerinfer_decode_batch): each
+        sequence's tokens continue its cached positions (or take `pos`); the logits rows are
+        those of the tokens flagged in `logits`, in batch order. Returns their number."""
+        n = len(tokens)
+        if not (len(seq_ids) == len(logits) == n) or (pos is not None and len(pos) != n):
+            raise ValueError("decode_batch: tokens, seq_ids, logits (and pos) must have the same length")
+        keep = [ffi.new("powerinfer_token[]", [int(t) for t in tokens]),
+                ffi.new("int32_t[]", [int(s) for s in seq_ids]),
+                ffi.new("int8_t[]", [1 if f else 0 for f in logits])]
+        batch = ffi.new("struct powerinfer_batch *")
+        batch.n_tokens, batch.token, batch.seq_id, batch.logits = n, keep[0], keep[1], keep[2]
+        if pos is not None:
+            keep.append(ffi.new("int32_t[]", [int(p) for p in pos]))
+            batch.pos = keep[3]
+        rc = lib.powerinfer_decode_batch(self.ptr, batch[0])
+        if rc != OK:
+            raise core_error(f"powerinfer_decode_batch of {n} tokens failed", rc)
+        return self.n_outputs()
+
     # ---- KV cache and state --------------------------------------------------------------------
+
+    def kv_seq_pos_max(self, seq: int) -> int:
+        """Largest cached position of sequence `seq`, -1 if none."""
+        return int(lib.powerinfer_kv_seq_pos_max(self.ptr, seq))
+
+    def kv_seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        """Sequence `seq` (-1: all) forgets its positions in [p0, p1) (p1 < 0: to the end)."""
+        rc = lib.powerinfer_kv_seq_rm(self.ptr, seq, p0, p1)
+        if rc != OK:
+            raise core_error(f"powerinfer_kv_seq_rm({seq}, {p0}, {p1}) failed", rc)
+
+    def kv_seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Sequence `dst` also sees `src`'s positions in [p0, p1) (shared cells, no copy)."""
+        rc = lib.powerinfer_kv_seq_cp(self.ptr, src, dst, p0, p1)
+        if rc != OK:
+            raise core_error(f"powerinfer_kv_seq_cp({src}, {dst}, {p0}, {p1}) failed", rc)
+
+    def kv_seq_keep(self, seq: int) -> None:
+        rc = lib.powerinfer_kv_seq_keep(self.ptr, seq)
+        if rc != OK:
+            raise core_error(f"powerinfer_kv_seq_keep({seq}) failed", rc)
+
+    def kv_used_cells(self) -> int:
+        """Cells of the KV cache in use (cells shared by sequences count once)."""
+        return int(lib.powerinfer_kv_used_cells(self.ptr))
 
     def kv_pos(self) -> int:
         """Positions held in the KV cache."""

@@ -99,15 +99,18 @@ class Sampler(Handle):
     def _free(self, ptr) -> None:
         lib.powerinfer_sampler_free(ptr)
 
-    def sample(self, ctx: Context, row: int, input_ids: np.ndarray) -> int:
+    def sample(self, ctx: Any, row: int, input_ids: np.ndarray) -> int:
         """Select a token from logits row `row` of the last decode (negative: from the end)
-        and record it (penalty history, grammar state)."""
-        if self.logits_processor is None:
+        and record it (penalty history, grammar state). `ctx` is a Context, or anything
+        with its logits(row) method (a sequence of a ParallelLlama)."""
+        if self.logits_processor is None and isinstance(ctx, Context):
             token = int(lib.powerinfer_sampler_sample(self.ptr, ctx.ptr, row))
         else:
-            logits = ctx.logits(row).copy()
-            for processor in self.logits_processor:
-                logits[:] = processor(input_ids, logits)
+            logits = ctx.logits(row)
+            if self.logits_processor is not None:
+                logits = logits.copy()
+                for processor in self.logits_processor:
+                    logits[:] = processor(input_ids, logits)
             logits = np.ascontiguousarray(logits, dtype=np.float32)
             token = int(lib.powerinfer_sampler_sample_logits(self.ptr, ffi.from_buffer("float[]", logits), self.n_vocab))
             if token >= 0:

@@ -122,20 +122,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # CONFIG_FILE is read above; create_app must not read it again.
     os.environ.pop("CONFIG_FILE", None)
+    server: Optional[Any] = None
+    failed: List[BaseException] = []
+
+    def on_load_error(exc: BaseException) -> None:
+        # The server answers 503 until now; a model that cannot load ends it, non-zero.
+        print(f"powerinfer_py.server: {exc}", file=sys.stderr)
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
     try:
-        app = create_app(server_settings=server_settings, model_settings=model_settings)
+        # The model loads in the background; /health answers 503 until it is ready.
+        app = create_app(server_settings=server_settings, model_settings=model_settings, load_in_background=True,
+                         on_load_error=on_load_error)
     except (ValueError, OSError) as e:
         print(f"powerinfer_py.server: {e}", file=sys.stderr)
         return 1
 
-    uvicorn.run(
-        app,
-        host=server_settings.host,
-        port=server_settings.port,
-        ssl_keyfile=server_settings.ssl_keyfile,
-        ssl_certfile=server_settings.ssl_certfile,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=server_settings.host,
+            port=server_settings.port,
+            ssl_keyfile=server_settings.ssl_keyfile,
+            ssl_certfile=server_settings.ssl_certfile,
+        )
     )
-    return 0
+    if failed:  # failed before the server existed
+        return 1
+    server.run()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

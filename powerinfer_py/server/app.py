@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -52,6 +53,7 @@ from .types import (
     ErrorResponse,
     HealthResponse,
     ModelList,
+    PropsResponse,
     TokenizeInputCountResponse,
     TokenizeInputRequest,
     TokenizeInputResponse,
@@ -205,17 +207,38 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 class ServerState:
-    """What the routes share: settings, the model proxy, and the lock that serializes model use.
+    """What the routes share: settings, the model proxy, the slots and the lock.
 
-    The lock is an anyio semaphore of one, not an anyio Lock: a streaming response
-    releases it from the task that runs the stream, not the one that acquired it.
-    Waiters are served first come, first served.
+    With n_parallel = 1 every model use holds the model lock, an anyio semaphore of one
+    (not an anyio Lock: a streaming response releases it from the task that runs the
+    stream, not the one that acquired it); waiters are served first come, first served.
+    With n_parallel > 1 completions run on the slots of a ParallelLlama (continuous
+    batching, docs/parallel.md), admitted by a semaphore of n_parallel; the other model
+    uses (embeddings, tokenizer) still take the lock, on the loaded Llama.
+
+    The model loads in the constructor, or with `background` in a thread: until it is
+    loaded the model routes and /health answer 503.
     """
 
-    def __init__(self, server_settings: ServerSettings, proxy: ModelProxy):
+    def __init__(
+        self,
+        server_settings: ServerSettings,
+        model_settings: List[ModelSettings],
+        llama: Any = None,
+        background: bool = False,
+        on_load_error: Optional[Callable[[BaseException], None]] = None,
+    ):
         self.settings = server_settings
-        self.proxy = proxy
+        self.model_settings = model_settings
+        self.n_parallel = server_settings.n_parallel
+        if self.n_parallel > 1 and len(model_settings) > 1:
+            raise ValueError("--n_parallel > 1 serves one model; the config names several")
+        self.proxy: Optional[ModelProxy] = None
+        self.pool: Any = None
+        self.load_error: Optional[BaseException] = None
+        self.started = time.time()
         self._lock = anyio.Semaphore(1, max_value=1)
+        self._slots = anyio.Semaphore(self.n_parallel, max_value=self.n_parallel) if self.n_parallel > 1 else None
         # Streams by how they ended, and chunks sent: what tests and operators can check.
         self.stats: Dict[str, int] = {
             "streams_completed": 0,
@@ -227,20 +250,76 @@ class ServerState:
             "generations_cancelled": 0,
         }
         self.last_stream: Dict[str, Any] = {}
+        if background:
+            def load() -> None:
+                try:
+                    self._load(llama)
+                except BaseException as exc:  # reported by on_load_error / 503s
+                    self.load_error = exc
+                    if on_load_error is not None:
+                        on_load_error(exc)
+
+            threading.Thread(target=load, name="powerinfer-load", daemon=True).start()
+        else:
+            self._load(llama)
+
+    def _load(self, llama: Any) -> None:
+        proxy = ModelProxy(self.model_settings, llama=llama)
+        if self.n_parallel > 1:
+            from ..parallel import ParallelLlama
+
+            self.pool = ParallelLlama(proxy.current, n_parallel=self.n_parallel)
+        self.proxy = proxy
+
+    def require_proxy(self) -> ModelProxy:
+        if self.proxy is None:
+            if self.load_error is not None:
+                raise APIError(500, f"the model failed to load: {self.load_error}", type="internal_server_error")
+            raise APIError(503, "Loading model", type="unavailable_error", code="loading")
+        return self.proxy
 
     def requests_waiting(self) -> int:
-        return self._lock.statistics().tasks_waiting
+        sem = self._slots if self._slots is not None else self._lock
+        return sem.statistics().tasks_waiting
 
     async def acquire(self) -> Callable[[], None]:
-        """Wait for the model; returns the (idempotent) release function."""
-        await self._lock.acquire()
+        """Wait for the model lock; returns the (idempotent) release function."""
+        return await self._acquire(self._lock, None)
+
+    async def acquire_generation(self, model: Optional[str]) -> Tuple[Any, Callable[[], None]]:
+        """The Llama a completion runs on (a free slot with n_parallel > 1) and its release."""
+        proxy = self.require_proxy()
+        if self.pool is None:
+            release = await self.acquire()
+            try:
+                return await run_in_threadpool(proxy, model), release
+            except BaseException:
+                release()
+                raise
+        assert self._slots is not None
+        slot = None
+
+        def give_back() -> None:
+            if slot is not None:
+                self.pool.release(slot)
+
+        release = await self._acquire(self._slots, give_back)
+        slot = self.pool.acquire(timeout=0)  # the semaphore admitted us: a slot is free
+        return slot, release
+
+    async def _acquire(self, sem: Any, before_release: Optional[Callable[[], None]]) -> Callable[[], None]:
+        await sem.acquire()
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._lock.release()
+                try:
+                    if before_release is not None:
+                        before_release()
+                finally:
+                    sem.release()
 
         return release
 
@@ -256,7 +335,7 @@ def _state(request: Request) -> ServerState:
 
 async def _get_llama(state: ServerState, model: Optional[str]):
     # The proxy may load a model (seconds): do it off the event loop.
-    return await run_in_threadpool(state.proxy, model)
+    return await run_in_threadpool(state.require_proxy(), model)
 
 
 # ---------------------------------------------------------------------------- request -> kwargs
@@ -446,7 +525,10 @@ async def _stream_response(
     so a request the model rejects (context too long, bad grammar) still gets a 4xx.
     """
     state = _state(request)
-    release = await state.acquire()
+    try:
+        llama, release = await state.acquire_generation(body.model)
+    except Exception as exc:
+        return _error_response(_error_from_exception(exc, body))
     iterator: Optional[Iterator[Any]] = None
     closed = False
 
@@ -468,7 +550,6 @@ async def _stream_response(
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
-        llama = await _get_llama(state, body.model)
         _prepare_kwargs(llama, body, kwargs)
         result = await run_in_threadpool(lambda: getattr(llama, method)(**kwargs))
         if isinstance(result, dict):
@@ -555,12 +636,14 @@ async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method
     say), the generation stops at its next token and frees the model for the queue,
     instead of running on to max_tokens or the end of the context for nobody."""
     state = _state(request)
-    release = await state.acquire()
+    try:
+        llama, release = await state.acquire_generation(body.model)
+    except Exception as exc:
+        return _error_response(_error_from_exception(exc, body))
     cancelled = threading.Event()
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
-        llama = await _get_llama(state, body.model)
         _prepare_kwargs(llama, body, kwargs, cancelled)
         result = await _run_until_disconnect(request, cancelled, lambda: getattr(llama, method)(**kwargs))
     except _GenerationCancelled:
@@ -607,6 +690,7 @@ def _embedding_to_base64(embedding: Any) -> Any:
 
 async def create_embedding(request: Request, body: CreateEmbeddingRequest) -> Response:
     state = _state(request)
+    state.require_proxy()
     release = await state.acquire()
     try:
         llama = await _get_llama(state, body.model)
@@ -634,20 +718,88 @@ async def get_models(request: Request) -> Dict[str, Any]:
         "object": "list",
         "data": [
             {"id": alias, "object": "model", "owned_by": "me", "permissions": []}
-            for alias in _state(request).proxy
+            for alias in (m.model_alias or m.model for m in _state(request).model_settings)
         ],
     }
 
 
-async def health(request: Request) -> Dict[str, Any]:
-    # Answers while a generation runs (it does not take the model lock).
+async def health(request: Request) -> Response:
+    # Answers while a generation runs (it does not take the model lock); 503 while loading.
     state = _state(request)
+    if state.proxy is None:
+        status = "error: the model failed to load" if state.load_error is not None else "loading model"
+        return _json_response({"status": status, "engine": None, "requests_waiting": 0}, 503)
     llama = state.proxy.current
-    return {
+    return _json_response({
         "status": "ok" if llama is not None else "no model loaded",
         "engine": getattr(llama, "engine", None),
         "requests_waiting": state.requests_waiting(),
+    })
+
+
+async def props(request: Request) -> Dict[str, Any]:
+    """llama.cpp server's /props, the fields clients read (lm-eval's gguf backend: total_slots)."""
+    state = _state(request)
+    proxy = state.require_proxy()
+    llama = proxy.current
+    settings = state.model_settings[0]
+    n_ctx = llama.n_ctx() if llama is not None else settings.n_ctx
+    return {
+        "total_slots": state.n_parallel,
+        "model_path": settings.model,
+        "model_alias": settings.model_alias,
+        "chat_template": (getattr(llama, "metadata", None) or {}).get("tokenizer.chat_template", ""),
+        "default_generation_settings": {"n_ctx": n_ctx, "model": settings.model_alias or settings.model},
+        "engine": getattr(llama, "engine", None),
+        "sparse_mode": llama.sparse_mode_in_use() if llama is not None else None,
+        "build_info": f"powerinfer-py {__version__}",
     }
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text: tokens and throughput, queue length, slot use, the sparse active share."""
+    return Response(_metrics_text(_state(request)), media_type="text/plain; version=0.0.4")
+
+
+def _metrics_text(state: ServerState) -> str:
+    rows: List[Tuple[str, str, str, float]] = []
+
+    def add(name: str, kind: str, help_text: str, value: Optional[float]) -> None:
+        if value is not None:
+            rows.append((f"powerinfer_{name}", kind, help_text, float(value)))
+
+    add("model_loaded", "gauge", "1 once the model is loaded", 0 if state.proxy is None else 1)
+    add("requests_waiting", "gauge", "Requests queued for a slot (or the model lock)", state.requests_waiting())
+    add("slots_total", "gauge", "Parallel slots (--n_parallel)", state.n_parallel)
+    for name, value in state.stats.items():
+        add(f"{name}_total", "counter", f"Server count: {name.replace('_', ' ')}", value)
+    llama = state.proxy.current if state.proxy is not None else None
+    if state.pool is not None:
+        pool = state.pool
+        st = pool.stats
+        add("slots_busy", "gauge", "Slots serving a request", pool.slots_busy)
+        add("tokens_generated_total", "counter", "Tokens generated (one-token decode steps)", st["tokens_generated"])
+        add("prompt_tokens_total", "counter", "Prompt tokens computed", st["tokens_prompt"])
+        add("prompt_tokens_cached_total", "counter", "Prompt tokens taken from the prompt cache", st["prompt_tokens_reused"])
+        add("decode_steps_total", "counter", "Batches computed", st["steps"])
+        add("busy_seconds_total", "counter", "Seconds spent computing batches", st["busy_seconds"])
+        add("tokens_per_second", "gauge", "Tokens computed per busy second, all slots together",
+            (st["tokens_generated"] + st["tokens_prompt"]) / st["busy_seconds"] if st["busy_seconds"] else 0.0)
+        add("kv_cells_used", "gauge", "KV cache cells in use", pool.kv_cells_used())
+        add("sparse_active_fraction", "gauge", "Share of FFN neurons the sparse steps computed", pool.sparse_active_fraction())
+    elif llama is not None and getattr(llama, "_fallback", None) is None:
+        t = llama.timings()
+        add("slots_busy", "gauge", "Slots serving a request", 1 - state._lock.value)
+        add("tokens_generated_total", "counter", "Tokens generated (one-token decode steps)", t["n_eval"])
+        add("prompt_tokens_total", "counter", "Prompt tokens computed", t["n_prompt"])
+        add("busy_seconds_total", "counter", "Seconds spent computing", (t["t_eval_ms"] + t["t_prompt_ms"]) / 1000)
+        add("tokens_per_second", "gauge", "Generated tokens per second of generation",
+            t["n_eval"] / t["t_eval_ms"] * 1000 if t["t_eval_ms"] else 0.0)
+        add("sparse_active_fraction", "gauge", "Share of FFN neurons the sparse steps computed", llama.sparse_stats()["active"])
+    out = []
+    for name, kind, help_text, value in rows:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+    return "\n".join(out) + "\n"
 
 
 async def tokenize(request: Request, body: TokenizeInputRequest) -> TokenizeInputResponse:
@@ -678,6 +830,7 @@ async def detokenize(request: Request, body: DetokenizeInputRequest) -> Detokeni
 
 async def _with_model(request: Request, model: Optional[str], fn: Callable[[Any], Any]) -> Any:
     state = _state(request)
+    state.require_proxy()
     release = await state.acquire()
     try:
         llama = await _get_llama(state, model)
@@ -712,6 +865,8 @@ def create_app(
     model_settings: Optional[List[ModelSettings]] = None,
     *,
     llama: Any = None,
+    load_in_background: bool = False,
+    on_load_error: Optional[Callable[[BaseException], None]] = None,
 ) -> FastAPI:
     """The app, with its first model loaded (llama_cpp.server.app.create_app's signature).
 
@@ -720,6 +875,9 @@ def create_app(
         server_settings, model_settings: The same, split (a config file's shape).
         llama: An already loaded Llama to serve as the first model (embedding the server
             in a program or a test); the settings then only name it.
+        load_in_background: Load the model in a thread and answer 503 (/health included)
+            until it is loaded, as llama.cpp's server does; `on_load_error` is called if
+            loading fails. Otherwise the model is loaded here and errors raise.
 
     The CONFIG_FILE environment variable, when set, overrides all of these.
     """
@@ -746,7 +904,9 @@ def create_app(
         allow_methods=["*"],
         allow_headers=["*"],
     )
-    app.state.powerinfer = ServerState(server_settings, ModelProxy(model_settings, llama=llama))
+    app.state.powerinfer = ServerState(
+        server_settings, model_settings, llama=llama, background=load_in_background, on_load_error=on_load_error
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -788,7 +948,10 @@ def create_app(
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=auth, tags=openai_v1, summary="Chat")
     app.add_api_route("/v1/embeddings", create_embedding, methods=["POST"], dependencies=auth, tags=openai_v1, summary="Embedding")
     app.add_api_route("/v1/models", get_models, methods=["GET"], dependencies=auth, tags=openai_v1, summary="Models")
-    app.add_api_route("/health", health, methods=["GET"], summary="Health")
+    app.add_api_route("/health", health, methods=["GET"], summary="Health", response_model=HealthResponse)
+    app.add_api_route("/props", props, methods=["GET"], dependencies=auth, summary="Server properties")
+    # Prometheus text, not JSON: outside the OpenAPI document.
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=auth, include_in_schema=False)
     extras = ["Extras"]
     app.add_api_route("/extras/tokenize", tokenize, methods=["POST"], dependencies=auth, tags=extras, summary="Tokenize")
     app.add_api_route(
@@ -810,6 +973,7 @@ _OK_MODELS: Dict[str, type] = {
     "/v1/embeddings": CreateEmbeddingResponse,
     "/v1/models": ModelList,
     "/health": HealthResponse,
+    "/props": PropsResponse,
 }
 _STREAM_EVENT_MODELS: Dict[str, type] = {
     "/v1/completions": CreateCompletionResponse,

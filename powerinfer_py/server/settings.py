@@ -200,6 +200,13 @@ class ServerSettings(BaseSettings):
         default=False,
         description="Whether to interrupt requests when a new request is received.",
     )
+    n_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Requests served at once, in slots that share one model and decode in one batch "
+        "(llama.cpp's -np); each slot keeps the full n_ctx.",
+    )
     disable_ping_events: bool = Field(
         default=False,
         description="Disable EventSource pings (may be needed for some clients).",

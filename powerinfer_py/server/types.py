@@ -457,7 +457,23 @@ class ModelList(BaseModel):
     data: List[ModelCard]
 
 
+class PropsResponse(BaseModel):
+    """GET /props, as llama.cpp's server answers it (the fields clients read)."""
+
+    total_slots: int = Field(description="Requests served at once (--n_parallel)")
+    model_path: str
+    model_alias: Optional[str] = None
+    chat_template: str = ""
+    default_generation_settings: Dict[str, Any]
+    engine: Optional[str] = None
+    sparse_mode: Optional[str] = None
+    build_info: str
+
+
 class HealthResponse(BaseModel):
-    status: str = Field(description='"ok", or "no model loaded" while a model swap failed.')
+    status: str = Field(
+        description='"ok", "no model loaded" while a model swap failed; with HTTP 503 "loading model" '
+        "until the model is loaded"
+    )
     engine: Optional[str]
     requests_waiting: int

@@ -19,6 +19,7 @@
 // batch's active neurons covers most of the layer and ggml's dense matmul wins
 // (measured on the 7B-shaped synthetic model, see docs/formats.md).
 #define PI_SPARSE_MAX_BATCH 8
+#define PI_SPARSE_MAX_BATCH_LIMIT 32
 
 static int32_t default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -36,6 +37,7 @@ struct powerinfer_context_params powerinfer_context_default_params(void) {
         .embeddings      = false,
         .collect_activations = false,
         .sparse_max_batch = -1,
+        .n_seq_max       = 1,
     };
     return p;
 }
@@ -128,9 +130,10 @@ static int32_t host_move_kv(void * self, ggml_backend_buffer_type_t buft, uint64
     struct powerinfer_context * ctx = self;
     const bool v_trans = ctx->kv.v_trans;
     const uint32_t size = ctx->kv.size;
+    const uint32_t n_seq_max = ctx->kv.n_seq_max;
     pi_kv_cache_free(&ctx->kv);
     ctx->last.valid = false;
-    const int32_t rc = pi_kv_cache_init(&ctx->kv, ctx->model, size, v_trans, buft);
+    const int32_t rc = pi_kv_cache_init(&ctx->kv, ctx->model, size, n_seq_max, v_trans, buft);
     if (bytes) {
         *bytes = rc == POWERINFER_OK ? ggml_backend_buffer_get_size(ctx->kv.buf) : 0;
     }
@@ -204,6 +207,18 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     if (params.sparse_max_batch < 0) {
         params.sparse_max_batch = PI_SPARSE_MAX_BATCH;
     }
+    if (params.sparse_max_batch > PI_SPARSE_MAX_BATCH_LIMIT) {
+        // Each token of a sparse batch keeps its own active set in a 32-bit mask.
+        params.sparse_max_batch = PI_SPARSE_MAX_BATCH_LIMIT;
+    }
+    if (params.n_seq_max == 0) {
+        params.n_seq_max = 1;
+    }
+    if (params.n_seq_max > PI_MAX_SEQ) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "n_seq_max = %u is larger than the supported maximum %d", params.n_seq_max,
+                PI_MAX_SEQ);
+        return NULL;
+    }
     if (params.flash_attn < 0) {
         // Flash attention spends far less per decode step on the attention than the plain
         // graph's many small f16 products (measured: 7B-shaped predictor mode 1.65x -> 1.85x
@@ -224,6 +239,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     ctx->backend        = ggml_backend_cpu_init();
     ctx->galloc         = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     ctx->sparse         = calloc((size_t) model->hp.n_layer, sizeof(*ctx->sparse));
+    ctx->ubatch_buf     = malloc((size_t) 4 * params.n_batch * sizeof(int32_t));
     bool hist_ok = true;
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
@@ -232,12 +248,12 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
             hist_ok &= ctx->sparse[il].hist != NULL;
         }
     }
-    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !hist_ok) {
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !ctx->ubatch_buf || !hist_ok) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
     }
-    if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, !params.flash_attn, NULL) != POWERINFER_OK ||
+    if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, params.n_seq_max, !params.flash_attn, NULL) != POWERINFER_OK ||
         reserve_compute(ctx) != POWERINFER_OK || place(ctx) != POWERINFER_OK) {
         powerinfer_context_free(ctx);
         return NULL;
@@ -263,6 +279,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     if (ctx->galloc)  ggml_gallocr_free(ctx->galloc);
     if (ctx->backend) ggml_backend_free(ctx->backend);
     free(ctx->graph_buf);
+    free(ctx->ubatch_buf);
     free(ctx->scratch);
     free(ctx->logits);
     free(ctx->embd);
@@ -364,39 +381,48 @@ static int32_t ensure_scratch(struct powerinfer_context * ctx, size_t bytes) {
     return POWERINFER_OK;
 }
 
-// Causal mask: token i (at position pos0 + i) sees cells [0, pos0 + i].
-static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * mask, int32_t pos0, int32_t n_tokens, int32_t n_kv) {
-    const size_t n = (size_t) n_kv * n_tokens;
+// One graph's worth of a batch: its tokens, their positions and sequences, the cells
+// they go to, and which of them (chunk-local indices, ascending) keep logits.
+struct pi_ubatch {
+    const powerinfer_token * tokens;
+    int32_t                  n_tokens;
+    int32_t *                pos;
+    int32_t *                seq;
+    int32_t *                cells;
+    int32_t *                out_idx;
+    int32_t                  n_outputs;
+};
+
+// Token i (position pos_i of sequence s_i) sees cell j when s_i sees the cell and it holds
+// a position <= pos_i: causal attention within each sequence, nothing across sequences.
+static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * mask, const struct pi_ubatch * ub, int32_t n_kv) {
+    const size_t n = (size_t) n_kv * ub->n_tokens;
     int32_t rc = ensure_scratch(ctx, n * sizeof(float));
     if (rc != POWERINFER_OK) {
         return rc;
     }
-    if (mask->type == GGML_TYPE_F16) {
-        ggml_fp16_t * m = (ggml_fp16_t *) ctx->scratch;
-        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        for (int32_t i = 0; i < n_tokens; ++i) {
-            for (int32_t j = 0; j < n_kv; ++j) {
-                m[(size_t) i * n_kv + j] = j <= pos0 + i ? zero : ninf;
-            }
-        }
-    } else {
-        float * m = ctx->scratch;
-        for (int32_t i = 0; i < n_tokens; ++i) {
-            for (int32_t j = 0; j < n_kv; ++j) {
-                m[(size_t) i * n_kv + j] = j <= pos0 + i ? 0.0f : -INFINITY;
-            }
+    const struct pi_kv_cache * kv = &ctx->kv;
+    const bool f16 = mask->type == GGML_TYPE_F16;
+    const ggml_fp16_t zero16 = ggml_fp32_to_fp16(0.0f), ninf16 = ggml_fp32_to_fp16(-INFINITY);
+    for (int32_t i = 0; i < ub->n_tokens; ++i) {
+        const uint64_t bit = 1ull << ub->seq[i];
+        const int32_t  p   = ub->pos[i];
+        for (int32_t j = 0; j < n_kv; ++j) {
+            const bool on = (kv->cell_seq[j] & bit) && kv->cell_pos[j] <= p;
+            if (f16) ((ggml_fp16_t *) ctx->scratch)[(size_t) i * n_kv + j] = on ? zero16 : ninf16;
+            else     ctx->scratch[(size_t) i * n_kv + j] = on ? 0.0f : -INFINITY;
         }
     }
     ggml_backend_tensor_set(mask, ctx->scratch, 0, ggml_nbytes(mask));
     return POWERINFER_OK;
 }
 
-// Computes one chunk of at most n_batch tokens; writes n_outputs rows of logits to out
-// (and of hidden states to out_embd), when given.
-static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens,
-                            int32_t pos0, int32_t n_outputs, float * out, float * out_embd) {
-    const uint32_t used = (uint32_t) (pos0 + n_tokens);
-    const uint32_t pad  = GGML_PAD(used, PI_KV_PAD);
+// Builds (or reuses) the graph of one chunk whose tokens already hold their cells, sets
+// its inputs and computes it; writes ub->n_outputs rows of logits to out (and of hidden
+// states to out_embd), when given.
+static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ubatch * ub, float * out, float * out_embd) {
+    const int32_t n_tokens = ub->n_tokens, n_outputs = ub->n_outputs;
+    const uint32_t pad = GGML_PAD(ctx->kv.hi, PI_KV_PAD);
     struct pi_graph_params gp = {
         .n_tokens   = n_tokens,
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
@@ -440,40 +466,32 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
         ctx->last.in        = in;
     }
 
-    ggml_backend_tensor_set(in.tokens, tokens, 0, (size_t) n_tokens * sizeof(int32_t));
+    ggml_backend_tensor_set(in.tokens, ub->tokens, 0, (size_t) n_tokens * sizeof(int32_t));
+    ggml_backend_tensor_set(in.pos, ub->pos, 0, (size_t) n_tokens * sizeof(int32_t));
     const int64_t n_embd_kv = ctx->kv.k[0]->ne[0];
     int32_t rc = ensure_scratch(ctx, (size_t) n_tokens * (in.v_idxs ? n_embd_kv : 1) * sizeof(int64_t));
     if (rc != POWERINFER_OK) {
         return rc;
     }
-    // Cache cells: token i goes to cell pos0 + i; a transposed V cache stores channel j
-    // of token i at element j * size + pos0 + i.
+    // Cache cells: token i goes to cell c_i; a transposed V cache stores channel j of token
+    // i at element j * size + c_i.
     int64_t * cells = (int64_t *) ctx->scratch;
     for (int32_t i = 0; i < n_tokens; ++i) {
-        cells[i] = pos0 + i;
+        cells[i] = ub->cells[i];
     }
     ggml_backend_tensor_set(in.k_idxs, cells, 0, (size_t) n_tokens * sizeof(int64_t));
     if (in.v_idxs) {
         for (int32_t i = 0; i < n_tokens; ++i) {
             for (int64_t j = 0; j < n_embd_kv; ++j) {
-                cells[(size_t) i * n_embd_kv + j] = j * (int64_t) ctx->kv.size + pos0 + i;
+                cells[(size_t) i * n_embd_kv + j] = j * (int64_t) ctx->kv.size + ub->cells[i];
             }
         }
         ggml_backend_tensor_set(in.v_idxs, cells, 0, (size_t) n_tokens * n_embd_kv * sizeof(int64_t));
     }
-    int32_t * ids = (int32_t *) ctx->scratch;
-    for (int32_t i = 0; i < n_tokens; ++i) {
-        ids[i] = pos0 + i;
-    }
-    ggml_backend_tensor_set(in.pos, ids, 0, (size_t) n_tokens * sizeof(int32_t));
     if (in.out_ids) {
-        // Outputs are always the last n_outputs rows of the chunk.
-        for (int32_t i = 0; i < n_outputs; ++i) {
-            ids[i] = n_tokens - n_outputs + i;
-        }
-        ggml_backend_tensor_set(in.out_ids, ids, 0, (size_t) n_outputs * sizeof(int32_t));
+        ggml_backend_tensor_set(in.out_ids, ub->out_idx, 0, (size_t) n_outputs * sizeof(int32_t));
     }
-    if ((rc = set_mask(ctx, in.kq_mask, pos0, n_tokens, gp.n_kv)) != POWERINFER_OK) {
+    if ((rc = set_mask(ctx, in.kq_mask, ub, gp.n_kv)) != POWERINFER_OK) {
         return rc;
     }
 
@@ -503,65 +521,183 @@ static int32_t decode_chunk(struct powerinfer_context * ctx, const powerinfer_to
     return POWERINFER_OK;
 }
 
-int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_token * tokens,
-                          int32_t n_tokens, int32_t pos, bool logits_all) {
-    pi_clear_error();
-    if (!ctx || !tokens || n_tokens <= 0) {
-        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: no tokens given");
+// Computes one chunk of at most n_batch tokens in cells taken from the cache; on error
+// the chunk's cells are free again.
+static int32_t decode_chunk(struct powerinfer_context * ctx, struct pi_ubatch * ub, float * out, float * out_embd) {
+    struct pi_kv_cache * kv = &ctx->kv;
+    int32_t rc = pi_kv_place(kv, ub->n_tokens, ub->seq, ub->pos, ub->cells);
+    if (rc != POWERINFER_OK) {
+        return rc;
     }
-    if (pos < 0 || pos > ctx->kv.n_pos) {
-        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: position %d is outside [0, %d] (cached positions)",
-                       pos, ctx->kv.n_pos);
+    rc = compute_chunk(ctx, ub, out, out_embd);
+    if (rc != POWERINFER_OK) {
+        for (int32_t i = 0; i < ub->n_tokens; ++i) {
+            pi_kv_cell_free(kv, ub->cells[i]);
+        }
     }
-    if ((int64_t) pos + n_tokens > (int64_t) ctx->kv.size) {
-        return pi_fail(POWERINFER_ERR_CONTEXT_FULL,
-                       "context window exceeded: %d cached + %d new tokens > n_ctx = %u",
-                       pos, n_tokens, ctx->kv.size);
+    return rc;
+}
+
+// The tokens of a batch, already checked, in chunks of n_batch. pos/seq NULL: positions
+// pos0, pos0 + 1, ... of sequence 0; flags NULL: logits of every token with logits_all,
+// else of the last. first_pos[s]: sequence s's first position in the batch (-1: none),
+// where the cache is cut back to on error.
+static int32_t decode_tokens(struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens,
+                             const int32_t * pos, int32_t pos0, const int32_t * seq, const int8_t * flags, bool logits_all,
+                             const int32_t * first_pos, int32_t n_seqs) {
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        n_out += flags ? flags[i] != 0 : logits_all || i == n_tokens - 1;
     }
+    int32_t rc = pi_context_reserve_outputs(ctx, n_out > 0 ? n_out : 1);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const double t0 = pi_time_ms();
+    ctx->n_outputs = 0;
+    const int32_t n_batch = (int32_t) ctx->params.n_batch, n_vocab = ctx->model->hp.n_vocab;
+    int32_t * buf = ctx->ubatch_buf;
+    struct pi_ubatch ub = { .pos = buf, .seq = buf + n_batch, .cells = buf + 2 * n_batch, .out_idx = buf + 3 * n_batch };
+    int32_t row = 0;
+    for (int32_t done = 0; done < n_tokens; ) {
+        const int32_t n = n_tokens - done < n_batch ? n_tokens - done : n_batch;
+        ub.tokens    = tokens + done;
+        ub.n_tokens  = n;
+        ub.n_outputs = 0;
+        for (int32_t i = 0; i < n; ++i) {
+            const int32_t k = done + i;
+            ub.pos[i] = pos ? pos[k] : pos0 + k;
+            ub.seq[i] = seq ? seq[k] : 0;
+            if (flags ? flags[k] != 0 : logits_all || k == n_tokens - 1) {
+                ub.out_idx[ub.n_outputs++] = i;
+            }
+        }
+        const bool keep = ub.n_outputs > 0;
+        if (!keep) {
+            // A chunk without outputs still computes one throw-away row: the last.
+            ub.out_idx[0] = n - 1;
+            ub.n_outputs  = 1;
+        }
+        float * out  = keep ? ctx->logits + (size_t) row * n_vocab : NULL;
+        float * embd = keep && ctx->embd ? ctx->embd + (size_t) row * ctx->model->hp.n_embd : NULL;
+        rc = decode_chunk(ctx, &ub, out, embd);
+        if (rc != POWERINFER_OK) {
+            for (int32_t s = 0; s < n_seqs; ++s) {
+                if (first_pos[s] >= 0) {
+                    pi_kv_seq_rm(&ctx->kv, s, first_pos[s], -1);
+                }
+            }
+            return rc;
+        }
+        row  += keep ? ub.n_outputs : 0;
+        done += n;
+    }
+    ctx->n_outputs = n_out;
+
+    const double dt = pi_time_ms() - t0;
+    // A step that brings each sequence one token further is generation; anything else a prompt.
+    int32_t n_in = 0;
+    for (int32_t s = 0; s < n_seqs; ++s) {
+        n_in += first_pos[s] >= 0;
+    }
+    if (n_tokens > n_in) {
+        ctx->timings.t_prompt_ms += dt;
+        ctx->timings.n_prompt    += n_tokens;
+    } else {
+        ctx->timings.t_eval_ms += dt;
+        ctx->timings.n_eval    += n_tokens;
+    }
+    return POWERINFER_OK;
+}
+
+static int32_t check_tokens(const struct powerinfer_context * ctx, const powerinfer_token * tokens, int32_t n_tokens) {
     const int32_t n_vocab = ctx->model->hp.n_vocab;
     for (int32_t i = 0; i < n_tokens; ++i) {
         if (tokens[i] < 0 || tokens[i] >= n_vocab) {
             return pi_fail(POWERINFER_ERR_INVALID_ARG, "token %d at index %d is out of range [0, %d)", tokens[i], i, n_vocab);
         }
     }
-    int32_t rc = pi_context_reserve_outputs(ctx, logits_all ? n_tokens : 1);
-    if (rc != POWERINFER_OK) {
-        return rc;
-    }
-
-    const double t0 = pi_time_ms();
-    ctx->kv.n_pos  = pos;
-    ctx->n_outputs = 0;
-    const int32_t n_batch = (int32_t) ctx->params.n_batch;
-    for (int32_t done = 0; done < n_tokens; ) {
-        const int32_t n    = n_tokens - done < n_batch ? n_tokens - done : n_batch;
-        const bool    last = done + n == n_tokens;
-        // Chunks before the last compute one throw-away output row unless every row is wanted.
-        const int32_t n_out = logits_all ? n : 1;
-        const size_t row = logits_all ? (size_t) done : 0;
-        const bool   keep = logits_all || last;
-        float * out  = keep ? ctx->logits + row * n_vocab : NULL;
-        float * embd = keep && ctx->embd ? ctx->embd + row * ctx->model->hp.n_embd : NULL;
-        rc = decode_chunk(ctx, tokens + done, n, pos + done, n_out, out, embd);
-        if (rc != POWERINFER_OK) {
-            return rc;
-        }
-        done += n;
-        ctx->kv.n_pos = pos + done;
-    }
-    ctx->n_outputs = logits_all ? n_tokens : 1;
-
-    const double dt = pi_time_ms() - t0;
-    if (n_tokens > 1) {
-        ctx->timings.t_prompt_ms += dt;
-        ctx->timings.n_prompt    += n_tokens;
-    } else {
-        ctx->timings.t_eval_ms += dt;
-        ctx->timings.n_eval    += 1;
-    }
     return POWERINFER_OK;
 }
 
+int32_t powerinfer_decode(struct powerinfer_context * ctx, const powerinfer_token * tokens,
+                          int32_t n_tokens, int32_t pos, bool logits_all) {
+    pi_clear_error();
+    if (!ctx || !tokens || n_tokens <= 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: no tokens given");
+    }
+    const int32_t n_pos = pi_kv_seq_pos_max(&ctx->kv, 0) + 1;
+    if (pos < 0 || pos > n_pos) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode: position %d is outside [0, %d] (cached positions)",
+                       pos, n_pos);
+    }
+    if ((int64_t) pos + n_tokens > (int64_t) ctx->kv.size) {
+        return pi_fail(POWERINFER_ERR_CONTEXT_FULL,
+                       "context window exceeded: %d cached + %d new tokens > n_ctx = %u",
+                       pos, n_tokens, ctx->kv.size);
+    }
+    int32_t rc = check_tokens(ctx, tokens, n_tokens);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    // Cells from pos on are overwritten: sequence 0 forgets them first.
+    pi_kv_seq_rm(&ctx->kv, 0, pos, -1);
+    const int32_t first_pos[1] = { pos };
+    return decode_tokens(ctx, tokens, n_tokens, NULL, pos, NULL, NULL, logits_all, first_pos, 1);
+}
+
+int32_t powerinfer_decode_batch(struct powerinfer_context * ctx, struct powerinfer_batch batch) {
+    pi_clear_error();
+    if (!ctx || !batch.token || batch.n_tokens <= 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_decode_batch: no tokens given");
+    }
+    int32_t rc = check_tokens(ctx, batch.token, batch.n_tokens);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const int32_t n_seq = (int32_t) ctx->kv.n_seq_max;
+    int32_t first_pos[PI_MAX_SEQ], next_pos[PI_MAX_SEQ];
+    for (int32_t s = 0; s < n_seq; ++s) {
+        first_pos[s] = -1;
+        next_pos[s]  = -1;
+    }
+    // Positions: each sequence's continue its cache, one after another.
+    int32_t * pos = batch.pos ? NULL : malloc((size_t) batch.n_tokens * sizeof(int32_t));
+    if (!batch.pos && !pos) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    for (int32_t i = 0; i < batch.n_tokens && rc == POWERINFER_OK; ++i) {
+        const int32_t s = batch.seq_id ? batch.seq_id[i] : 0;
+        if (s < 0 || s >= n_seq) {
+            rc = pi_fail(POWERINFER_ERR_INVALID_ARG, "token %d: sequence id %d is outside [0, %d) (n_seq_max)", i, s, n_seq);
+            break;
+        }
+        if (next_pos[s] < 0) {
+            next_pos[s] = pi_kv_seq_pos_max(&ctx->kv, s) + 1;
+            first_pos[s] = next_pos[s];
+        }
+        const int32_t p = batch.pos ? batch.pos[i] : next_pos[s];
+        if (p != next_pos[s]) {
+            rc = pi_fail(POWERINFER_ERR_INVALID_ARG,
+                         "token %d of sequence %d has position %d; the sequence continues at position %d "
+                         "(remove later positions with powerinfer_kv_seq_rm first)", i, s, p, next_pos[s]);
+            break;
+        }
+        if (pos) pos[i] = p;
+        next_pos[s] = p + 1;
+    }
+    int32_t n_new = batch.n_tokens;
+    if (rc == POWERINFER_OK && (uint32_t) n_new > ctx->kv.size - ctx->kv.used) {
+        rc = pi_fail(POWERINFER_ERR_CONTEXT_FULL, "KV cache full: %d new tokens, %u of %u cells free", n_new,
+                     ctx->kv.size - ctx->kv.used, ctx->kv.size);
+    }
+    if (rc == POWERINFER_OK) {
+        rc = decode_tokens(ctx, batch.token, batch.n_tokens, batch.pos ? batch.pos : pos, 0, batch.seq_id, batch.logits,
+                           false, first_pos, n_seq);
+    }
+    free(pos);
+    return rc;
+}
 int32_t powerinfer_n_outputs(const struct powerinfer_context * ctx) {
     return ctx->n_outputs;
 }
@@ -587,17 +723,65 @@ float * powerinfer_get_embeddings_ith(struct powerinfer_context * ctx, int32_t i
 }
 
 int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx) {
-    return ctx->kv.n_pos;
+    return pi_kv_seq_pos_max(&ctx->kv, 0) + 1;
 }
 
 int32_t powerinfer_kv_truncate(struct powerinfer_context * ctx, int32_t n_keep) {
     if (n_keep < 0) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_kv_truncate: n_keep = %d is negative", n_keep);
     }
-    if (n_keep < ctx->kv.n_pos) {
-        ctx->kv.n_pos = n_keep;
+    pi_kv_seq_rm(&ctx->kv, 0, n_keep, -1);
+    return POWERINFER_OK;
+}
+
+static int32_t check_seq(const struct powerinfer_context * ctx, int32_t seq, const char * what) {
+    if (seq < 0 || (uint32_t) seq >= ctx->kv.n_seq_max) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: sequence id %d is outside [0, %u) (n_seq_max)", what, seq,
+                       ctx->kv.n_seq_max);
     }
     return POWERINFER_OK;
+}
+
+int32_t powerinfer_kv_seq_pos_max(const struct powerinfer_context * ctx, int32_t seq) {
+    return seq >= 0 && (uint32_t) seq < ctx->kv.n_seq_max ? pi_kv_seq_pos_max(&ctx->kv, seq) : -1;
+}
+
+int32_t powerinfer_kv_seq_rm(struct powerinfer_context * ctx, int32_t seq, int32_t p0, int32_t p1) {
+    pi_clear_error();
+    if (seq != -1 && check_seq(ctx, seq, "powerinfer_kv_seq_rm") != POWERINFER_OK) {
+        return POWERINFER_ERR_INVALID_ARG;
+    }
+    pi_kv_seq_rm(&ctx->kv, seq, p0 < 0 ? 0 : p0, p1);
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_kv_seq_cp(struct powerinfer_context * ctx, int32_t src, int32_t dst, int32_t p0, int32_t p1) {
+    pi_clear_error();
+    if (check_seq(ctx, src, "powerinfer_kv_seq_cp") != POWERINFER_OK ||
+        check_seq(ctx, dst, "powerinfer_kv_seq_cp") != POWERINFER_OK) {
+        return POWERINFER_ERR_INVALID_ARG;
+    }
+    if (src != dst) {
+        pi_kv_seq_cp(&ctx->kv, src, dst, p0 < 0 ? 0 : p0, p1);
+    }
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_kv_seq_keep(struct powerinfer_context * ctx, int32_t seq) {
+    pi_clear_error();
+    if (check_seq(ctx, seq, "powerinfer_kv_seq_keep") != POWERINFER_OK) {
+        return POWERINFER_ERR_INVALID_ARG;
+    }
+    pi_kv_seq_keep(&ctx->kv, seq);
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_kv_used_cells(const struct powerinfer_context * ctx) {
+    return (int32_t) ctx->kv.used;
+}
+
+int32_t powerinfer_sparse_max_batch(const struct powerinfer_context * ctx) {
+    return ctx->params.sparse_max_batch;
 }
 
 struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx) {

@@ -271,21 +271,49 @@ int32_t pi_vocab_load(struct powerinfer_model * model);
 void    pi_vocab_free(struct powerinfer_model * model);
 
 // ---- kv_cache.c ----
+#define PI_MAX_SEQ 64  // sequences of one context (a cell's sequence set is a 64-bit mask)
+
 struct pi_kv_cache {
     struct ggml_context * ctx;
     ggml_backend_buffer_t buf;
-    struct ggml_tensor *  k[PI_MAX_LAYERS]; // [n_embd_k_gqa, n_ctx] f16, one row per position
+    struct ggml_tensor *  k[PI_MAX_LAYERS]; // [n_embd_k_gqa, n_ctx] f16, one row per cell
     struct ggml_tensor *  v[PI_MAX_LAYERS]; // [n_ctx, n_embd_v_gqa] f16 (transposed: one row per channel)
                                             // or [n_embd_v_gqa, n_ctx] with flash attention
+    int32_t *             cell_pos;         // [size] position held by each cell; -1: free
+    uint64_t *            cell_seq;         // [size] bit s set: sequence s sees the cell
     uint32_t              size;             // cells
-    int32_t               n_pos;            // positions in use: [0, n_pos)
+    uint32_t              used;             // cells holding a position
+    uint32_t              hi;               // one past the last used cell (attention spans [0, hi), padded)
+    uint32_t              n_seq_max;
     bool                  v_trans;
 };
 
 // buft: where the cache lives (NULL: host memory).
-int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, bool v_trans,
-                         ggml_backend_buffer_type_t buft);
+int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, uint32_t n_seq_max,
+                         bool v_trans, ggml_backend_buffer_type_t buft);
 void    pi_kv_cache_free(struct pi_kv_cache * kv);
+// Largest position of sequence seq in the cache, -1 if it has none.
+int32_t pi_kv_seq_pos_max(const struct pi_kv_cache * kv, int32_t seq);
+// Sequence seq (< 0: every sequence) stops seeing its positions in [p0, p1) (p1 < 0: no end);
+// cells no sequence sees are freed.
+void    pi_kv_seq_rm(struct pi_kv_cache * kv, int32_t seq, int32_t p0, int32_t p1);
+// dst also sees src's positions in [p0, p1): the cells are shared, nothing is copied.
+void    pi_kv_seq_cp(struct pi_kv_cache * kv, int32_t src, int32_t dst, int32_t p0, int32_t p1);
+// Every sequence but seq forgets everything.
+void    pi_kv_seq_keep(struct pi_kv_cache * kv, int32_t seq);
+// Puts n tokens (sequence seq[k], position pos[k]) into free cells, each after the last
+// cell its sequence sees when there is room (so a sequence's cells stay in position order,
+// which keeps flash attention's sums in the order of a sequence computed alone), and
+// writes the cells to `cells`; CONTEXT_FULL (nothing placed) if fewer than n cells are free.
+int32_t pi_kv_place(struct pi_kv_cache * kv, int32_t n, const int32_t * seq, const int32_t * pos, int32_t * cells);
+// Cell `cell` holds position pos of sequence seq (alone); pi_kv_cell_free undoes it.
+void    pi_kv_cell_set(struct pi_kv_cache * kv, int32_t cell, int32_t pos, int32_t seq);
+void    pi_kv_cell_free(struct pi_kv_cache * kv, int32_t cell);
+// Whether the cache holds exactly positions 0..n-1 of sequence 0 in cells 0..n-1 (the
+// layout of a one-sequence context, which state files store); *n_pos gets n.
+bool    pi_kv_is_prefix_of_seq0(const struct pi_kv_cache * kv, int32_t * n_pos);
+// Empties the cache, then marks cells 0..n_pos-1 as positions 0..n_pos-1 of sequence 0.
+void    pi_kv_set_prefix_of_seq0(struct pi_kv_cache * kv, int32_t n_pos);
 
 // ---- graph.c ----
 struct pi_graph_inputs {
@@ -305,7 +333,7 @@ struct pi_graph_inputs {
 struct pi_graph_params {
     int32_t n_tokens;
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
-    int32_t n_outputs;  // 1 or n_tokens
+    int32_t n_outputs;  // rows with logits: 1..n_tokens
     bool    flash_attn;
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
@@ -326,6 +354,7 @@ struct powerinfer_context {
     void *             graph_buf;      // memory for graph-building ggml contexts
     size_t             graph_buf_size;
 
+    int32_t *          ubatch_buf;     // [4][n_batch]: a chunk's positions, sequences, cells and output rows
     float *            scratch;        // host staging for the attention mask
     size_t             scratch_size;
     float *            logits;         // [n_outputs, n_vocab]

@@ -23,20 +23,25 @@ static inline void active_index(struct ggml_tensor * dst, int ith, struct pi_act
     const int64_t n_ff = score->ne[0], n_tok = score->ne[1];
     int32_t * out = (int32_t *) dst->data;
     const uint8_t * skip = rule == PI_ACTIVE_NONZERO ? NULL : stat->skip;
+    int32_t * masks = out + n_ff + PI_INDEX_EXTRA;
     int32_t n = 0, n_skipped = 0;
     for (int64_t i = 0; i < n_ff; ++i) {
+        uint32_t m = 0;
         for (int64_t t = 0; t < n_tok; ++t) {
             const float s = *(const float *) ((const char *) score->data + i * score->nb[0] + t * score->nb[1]);
             const bool on = rule == PI_ACTIVE_ABOVE    ? s > threshold
                           : rule == PI_ACTIVE_AT_LEAST ? s >= threshold
                                                        : s != 0.0f;  // NaN counts: it must reach the output
             if (on) {
-                if (skip && skip[i]) {
-                    ++n_skipped;
-                } else {
-                    out[1 + n++] = (int32_t) i;
-                }
-                break;
+                m |= t < PI_INDEX_MAX_TOKENS ? 1u << t : ~0u;
+            }
+        }
+        if (m) {
+            if (skip && skip[i]) {
+                ++n_skipped;
+            } else {
+                masks[n] = n_tok > PI_INDEX_MAX_TOKENS ? -1 : (int32_t) m;
+                out[1 + n++] = (int32_t) i;
             }
         }
     }
@@ -67,11 +72,13 @@ static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * use
         return;
     }
     const struct pi_active_stat * stat = userdata;
-    const int64_t n_ff = dst->ne[0] - PI_INDEX_EXTRA;
+    const int64_t n_ff = (dst->ne[0] - PI_INDEX_EXTRA) / 2;
     int32_t * out = (int32_t *) dst->data;
+    int32_t * masks = out + n_ff + PI_INDEX_EXTRA;
     int32_t n = 0;
     for (int64_t i = 0; i < n_ff; ++i) {
         if (!stat->skip || !stat->skip[i]) {
+            masks[n] = -1;  // every token
             out[1 + n++] = (int32_t) i;
         }
     }
@@ -81,7 +88,7 @@ static void cold_index_op(struct ggml_tensor * dst, int ith, int nth, void * use
 
 struct ggml_tensor * pi_cold_index(struct ggml_context * ctx, struct ggml_tensor * ref, int64_t n_ff, struct pi_active_stat * stat) {
     struct ggml_tensor * args[1] = { ref };
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA, 1, 1, 1, args, 1, cold_index_op, 1, stat);
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, PI_INDEX_LEN(n_ff), 1, 1, 1, args, 1, cold_index_op, 1, stat);
 }
 
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, enum pi_active_rule rule,
@@ -90,7 +97,7 @@ struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tens
     struct ggml_tensor * args[1] = { score };
     ggml_custom_op_t op = rule == PI_ACTIVE_ABOVE ? active_above_op : rule == PI_ACTIVE_AT_LEAST ? active_at_least_op
                                                                                                : active_nonzero_op;
-    return ggml_custom_4d(ctx, GGML_TYPE_I32, score->ne[0] + PI_INDEX_EXTRA, 1, 1, 1, args, 1, op, 1, stat);
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, PI_INDEX_LEN(score->ne[0]), 1, 1, 1, args, 1, op, 1, stat);
 }
 
 // ---- activation histogram (calibration) ---------------------------------------------------
@@ -170,6 +177,7 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
     const int32_t *            idx = (const int32_t *) dst->src[2]->data;
     const int64_t n_ff = dst->ne[0], n_tok = dst->ne[1];
     const int32_t n_active = idx[0];
+    const int32_t * masks = pi_index_masks(idx, n_ff);
 
     int32_t k0, k1;
     split_active(n_active, ith, nth, &k0, &k1);
@@ -180,6 +188,7 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
     for (int64_t t = 0; t < n_tok; ++t) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
         const void * y = (const char *) xq->data + t * xq->nb[1];
+        const uint32_t tbit = t < PI_INDEX_MAX_TOKENS ? 1u << t : ~0u;
         int64_t r = r0;
         struct pi_next_rows cur = next_rows(w, idx, k0, k1, 0, 0);
         for (int j = 0; j < cur.k; ++j) pi_prefetch(cur.rows[j], cur.bytes);
@@ -194,7 +203,7 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
                 if (i > r) {
                     memset(out + r, 0, (size_t) (i - r) * sizeof(float));
                 }
-                out[i] = res[j];
+                out[i] = (uint32_t) masks[k + j] & tbit ? res[j] : 0.0f;
                 r = i + 1;
             }
         }
@@ -207,7 +216,7 @@ static void sparse_matvec_op(struct ggml_tensor * dst, int ith, int nth, void * 
 struct ggml_tensor * pi_sparse_matvec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * xq,
                                       struct ggml_tensor * idx) {
     GGML_ASSERT(xq->type == ggml_get_type_traits_cpu(w->type)->vec_dot_type);
-    GGML_ASSERT(w->ne[0] == xq->ne[0] && idx->type == GGML_TYPE_I32 && idx->ne[0] == w->ne[1] + PI_INDEX_EXTRA);
+    GGML_ASSERT(w->ne[0] == xq->ne[0] && idx->type == GGML_TYPE_I32 && idx->ne[0] == PI_INDEX_LEN(w->ne[1]));
     struct ggml_tensor * args[3] = { w, xq, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], xq->ne[1], 1, 1, args, 3, sparse_matvec_op, GGML_N_TASKS_MAX, NULL);
 }
@@ -280,7 +289,7 @@ static void sparse_axpy_op(struct ggml_tensor * dst, int ith, int nth, void * us
 struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tensor * wt, struct ggml_tensor * h,
                                     struct ggml_tensor * idx) {
     GGML_ASSERT(h->type == GGML_TYPE_F32 && h->ne[0] == wt->ne[1]);
-    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == wt->ne[1] + PI_INDEX_EXTRA);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == PI_INDEX_LEN(wt->ne[1]));
     GGML_ASSERT(wt->ne[0] % ggml_blck_size(wt->type) == 0);
     struct ggml_tensor * args[3] = { wt, h, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1], 1, 1, args, 3, sparse_axpy_op, GGML_N_TASKS_MAX, NULL);
@@ -352,6 +361,7 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
     const int32_t *            idx  = (const int32_t *) dst->src[s++]->data;
     const int64_t n_embd = dst->ne[0], n_tok = dst->ne[1];
     const int32_t n_active = idx[0];
+    const int32_t * masks = pi_index_masks(idx, up->ne[1]);
     const int32_t chunk = ffn_chunk_size(n_active);
     const int32_t n_chunks = (n_active + chunk - 1) / chunk;
     // Threads claim chunks in order from a shared counter (memory latencies differ from
@@ -395,7 +405,9 @@ static void sparse_ffn_op(struct ggml_tensor * dst, int ith, int nth, void * use
                     if (a) {
                         g[j] = *(const float *) ((const char *) a->data + (size_t) idx[1 + k + j] * a->nb[0] + t * a->nb[1]);
                     }
-                    axpy_push(&grp, wt_cur.rows[j], ffn_h(cfg, g[j], u[j]));
+                    if ((uint32_t) masks[k + j] >> t & 1u) {
+                        axpy_push(&grp, wt_cur.rows[j], ffn_h(cfg, g[j], u[j]));
+                    }
                 }
                 if (grp.n == 0 && last) {
                     for (int j = 0; j < wt_nxt.k; ++j) pi_prefetch(wt_nxt.rows[j], wt_nxt.bytes);
@@ -456,7 +468,7 @@ struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor
                           xg->type == ggml_get_type_traits_cpu(gate->type)->vec_dot_type && xg->ne[1] == n_tok));
     GGML_ASSERT(!a || (a->type == GGML_TYPE_F32 && a->ne[0] == n_ff && a->ne[1] == n_tok));
     GGML_ASSERT(down_t->ne[0] == n_embd && down_t->ne[1] == n_ff && n_embd % ggml_blck_size(down_t->type) == 0);
-    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == n_ff + PI_INDEX_EXTRA);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && idx->ne[0] == PI_INDEX_LEN(n_ff));
     GGML_ASSERT(n_tok <= PI_FFN_MAX_TOKENS);
     const struct pi_ffn_cfg * cfg = &g_ffn_cfgs[act][gate ? 1 : a ? 2 : 0];
     struct ggml_tensor * args[7];

@@ -36,10 +36,18 @@ struct pi_active_stat {
 // the graph; nothing reads it.
 struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat);
 
-// An active list: I32 [n_ff + PI_INDEX_EXTRA]. Element 0 is the number of active neurons n,
-// elements 1..n their ids in ascending order; the last two are counters with which the
-// fused operator's threads share out its work (the list's makers zero them).
+// An active list: I32 [PI_INDEX_LEN(n_ff)]. Element 0 is the number of active neurons n,
+// elements 1..n their ids in ascending order; the next two are counters with which the
+// fused operator's threads share out its work (the list's makers zero them); from element
+// n_ff + PI_INDEX_EXTRA on, entry k is the token mask of the k-th active neuron: bit t set
+// when the neuron is active for token t (a batch reads the union of its tokens' rows, and
+// each token uses only its own neurons, so its result is the one it gets alone).
 #define PI_INDEX_EXTRA 3
+#define PI_INDEX_LEN(n_ff) (2 * (n_ff) + PI_INDEX_EXTRA)
+#define PI_INDEX_MAX_TOKENS 32  // tokens a mask holds; larger batches use the union for every token
+
+// The token masks of an active list.
+static inline const int32_t * pi_index_masks(const int32_t * idx, int64_t n_ff) { return idx + n_ff + PI_INDEX_EXTRA; }
 
 // When a neuron's score makes it active (tau: stat->threshold).
 enum pi_active_rule {
@@ -48,10 +56,9 @@ enum pi_active_rule {
     PI_ACTIVE_NONZERO,  // score != 0, tau and stat->skip ignored: the exact AXPY of a dense FFN
 };
 
-// score: F32 [n_ff, T]. Result: an active list: element 0 is the number of active
-// neurons n, elements 1..n their ids in ascending order, where a neuron is active if
-// its score passes `rule` for any token (the union over the batch), leaving out neurons
-// with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
+// score: F32 [n_ff, T]. Result: an active list (above) of the neurons whose score passes
+// `rule` for any token (the union over the batch), with each token's own in the masks,
+// leaving out neurons with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, enum pi_active_rule rule,
                                      struct pi_active_stat * stat);
 
@@ -78,7 +85,7 @@ struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tenso
 #define PI_FFN_MAX_TOKENS 8
 
 // The FFN of the active neurons, fused: for each active neuron i (idx as above) and
-// token t, h = act(gate_i . x_t) * f(up_i . x_t) (f = relu for dReLU, identity else),
+// token t it is active for, h = act(gate_i . x_t) * f(up_i . x_t) (f = relu for dReLU, identity else),
 // or a[i, t] * f(up_i . x_t) when the activation a (F32 [n_ff, T], gate mode) is given,
 // or act(up_i . x_t) without a gate; the result F32 [n_embd, T] = sum over active i of
 // h[i, t] * down_t_i. up, gate: [n_embd, n_ff] (gate NULL when a is given or the FFN

@@ -58,7 +58,7 @@ struct layer {
     struct ggml_tensor * gate_p;                        // the gate packed exactly (Q4_0x16 / Q8_0x16), when it fits
     struct ggml_tensor * bundle;                        // --bundle: [3 * n_embd, n_ff], gate|up|down_t rows per neuron
     struct ggml_tensor * gate, * up, * down_t, * down;  // plain CPU buffer (views into bundle with --bundle)
-    struct ggml_tensor * idx;                           // an active list, I32 [n_ff + PI_INDEX_EXTRA]
+    struct ggml_tensor * idx;                           // an active list, I32 [PI_INDEX_LEN(n_ff)]
 };
 
 static ggml_backend_buffer_type_t repack_buft(void) {
@@ -136,7 +136,7 @@ int main(int argc, char ** argv) {
         if (pi_pack_fits(type, n_embd, n_ff)) {
             L[il].gate_p = pi_pack_tensor(wctx, type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, n_ff, n_embd);
         }
-        L[il].idx    = ggml_new_tensor_1d(wctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA);
+        L[il].idx    = ggml_new_tensor_1d(wctx, GGML_TYPE_I32, PI_INDEX_LEN(n_ff));
     }
     ggml_backend_buffer_t wbuf;
     if (huge) {
@@ -220,6 +220,7 @@ int main(int argc, char ** argv) {
         for (int64_t i = 0; i < n_ff; ++i) {
             if ((double) (rnd() % 1000000) < prob[i] * 1e6) ids[1 + n++] = (int32_t) i;
         }
+        for (int32_t k = 0; k < n; ++k) ids[n_ff + PI_INDEX_EXTRA + k] = -1;  // every token
         ids[0] = n;
         n_active_total += n;
         ggml_backend_tensor_set(L[il].idx, ids, 0, ggml_nbytes(L[il].idx));

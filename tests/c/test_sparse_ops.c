@@ -71,7 +71,7 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * tw  = ggml_new_tensor_2d(ctx, type, n_embd, n_ff);
     struct ggml_tensor * tx  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, n_tok);
     struct ggml_tensor * th  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, n_tok);
-    struct ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + PI_INDEX_EXTRA);
+    struct ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, PI_INDEX_LEN(n_ff));
     ggml_quantize_chunk(type, w, tw->data, 0, n_ff, n_embd, NULL);
     memcpy(tx->data, x, ggml_nbytes(tx));
     memcpy(th->data, h, ggml_nbytes(th));
@@ -80,6 +80,9 @@ int main(int argc, char ** argv) {
     ids[0] = n_active;
     if (n_active < 0 || n_active > n_ff || !read_all(in, ids + 1, sizeof(int32_t) * (size_t) n_active)) {
         return die("bad active list");
+    }
+    for (int32_t k = 0; k < n_active; ++k) {
+        ids[n_ff + PI_INDEX_EXTRA + k] = -1;  // active for every token
     }
     fclose(in);
 

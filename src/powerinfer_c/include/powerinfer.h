@@ -102,8 +102,20 @@ struct powerinfer_context_params {
                               // which keeps llama.cpp's graph and its exact results
     bool     embeddings;      // also keep the final-norm hidden states of the output rows
     bool     collect_activations; // calibration: histogram |act(gate)| per layer (runs the dense FFN)
-    int32_t  sparse_max_batch; // largest batch that takes the sparse FFN path (union of active neurons);
-                               // larger batches run dense. < 0: the measured default (docs/formats.md)
+    int32_t  sparse_max_batch; // largest batch that takes the sparse FFN path (the union of the tokens' active
+                               // neurons is read; each token uses its own); larger batches run dense. < 0: the
+                               // measured default (docs/formats.md); at most 32
+    uint32_t n_seq_max;        // sequences the KV cache can hold (powerinfer_decode_batch); 0 or 1: one, at most 64
+};
+
+// A batch of tokens of one or more sequences, with llama_batch's meaning (one sequence
+// per token: to share a prefix between sequences, decode it once and powerinfer_kv_seq_cp it).
+struct powerinfer_batch {
+    int32_t                  n_tokens;
+    const powerinfer_token * token;   // [n_tokens]
+    const int32_t *          pos;     // [n_tokens] or NULL: each sequence continues after its last cached position
+    const int32_t *          seq_id;  // [n_tokens] in [0, n_seq_max) or NULL: all sequence 0
+    const int8_t *           logits;  // [n_tokens] nonzero: keep this token's logits; NULL: only the last token's
 };
 
 struct powerinfer_sampler_params {
@@ -213,10 +225,32 @@ POWERINFER_API float * powerinfer_get_logits_ith(struct powerinfer_context * ctx
 // NULL unless the context was created with embeddings = true.
 POWERINFER_API float * powerinfer_get_embeddings_ith(struct powerinfer_context * ctx, int32_t i);
 
-// Number of positions held in the KV cache.
+// Number of positions held in the KV cache (of sequence 0).
 POWERINFER_API int32_t powerinfer_kv_pos(const struct powerinfer_context * ctx);
-// Keeps the first n_keep positions of the KV cache (prompt-prefix reuse).
+// Keeps the first n_keep positions of the KV cache (of sequence 0; prompt-prefix reuse).
 POWERINFER_API int32_t powerinfer_kv_truncate(struct powerinfer_context * ctx, int32_t n_keep);
+
+// ---- several sequences (continuous batching) -----------------------------------
+// Computes a batch mixing tokens of several sequences (created with n_seq_max > 1). Each
+// sequence's tokens in the batch must have consecutive positions that continue its cached
+// ones (the first = powerinfer_kv_seq_pos_max + 1); a token attends to the cached and batch
+// tokens of its own sequence at positions up to its own. Logits rows are those of the
+// flagged tokens, in batch order (powerinfer_get_logits_ith). Batches above n_batch are
+// split. Returns POWERINFER_OK or a negative status; on error no token of the batch stays
+// in the cache.
+POWERINFER_API int32_t powerinfer_decode_batch(struct powerinfer_context * ctx, struct powerinfer_batch batch);
+// Largest position of sequence seq in the cache, -1 if none (or seq out of range).
+POWERINFER_API int32_t powerinfer_kv_seq_pos_max(const struct powerinfer_context * ctx, int32_t seq);
+// Sequence seq (-1: all) forgets its positions in [p0, p1) (p1 < 0: to the end).
+POWERINFER_API int32_t powerinfer_kv_seq_rm(struct powerinfer_context * ctx, int32_t seq, int32_t p0, int32_t p1);
+// Sequence dst also sees src's positions in [p0, p1) (cells are shared, not copied).
+POWERINFER_API int32_t powerinfer_kv_seq_cp(struct powerinfer_context * ctx, int32_t src, int32_t dst, int32_t p0, int32_t p1);
+// Every sequence but seq is forgotten.
+POWERINFER_API int32_t powerinfer_kv_seq_keep(struct powerinfer_context * ctx, int32_t seq);
+// Cells of the KV cache in use (shared cells count once).
+POWERINFER_API int32_t powerinfer_kv_used_cells(const struct powerinfer_context * ctx);
+// The largest batch that takes the sparse FFN path in this context (sparse_max_batch resolved).
+POWERINFER_API int32_t powerinfer_sparse_max_batch(const struct powerinfer_context * ctx);
 
 // Context state (cached positions, their keys/values, the last logits) as bytes.
 // powerinfer_state_size is exact for the current state; save returns the bytes written
