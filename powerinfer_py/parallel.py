@@ -41,6 +41,12 @@ from .llama import Llama
 
 __all__ = ["ParallelLlama"]
 
+# Most tokens in one graph: from 64 query rows on, ggml's CPU flash attention takes its
+# tiled kernel, whose rounding of a row depends on the batch and the cell layout around it
+# (measured: docs/parallel.md); below it every sequence's result is the one it gets alone,
+# bit for bit.
+_EXACT_BATCH = 63
+
 # Longest the engine waits for the other busy slots to queue their tokens before it
 # computes a step without them (they join the next one).
 _MAX_GATHER_S = 0.02
@@ -176,7 +182,9 @@ class ParallelLlama:
         self.n_parallel = n_parallel
         self.n_vocab = llama.n_vocab()
         self._ctx = Context(
-            llama._model, n_ctx=n_ctx_slot * n_parallel, n_batch=llama.n_batch, n_seq_max=n_parallel,
+            # Chunks of at most _EXACT_BATCH tokens: a prompt's keys and values (which later
+            # requests reuse as a cached prefix) then do not depend on how it was batched.
+            llama._model, n_ctx=n_ctx_slot * n_parallel, n_batch=min(llama.n_batch, _EXACT_BATCH), n_seq_max=n_parallel,
             n_threads=llama.n_threads, n_threads_batch=llama.n_threads_batch, seed=base_params.seed,
             # Flash attention visits a sequence's cells in position order and skips the rest, so
             # its result does not depend on where the cells sit or what else is in the batch.
@@ -310,15 +318,25 @@ class ParallelLlama:
                 self._step(group)
 
     def _groups(self, pending: List[_Request]) -> List[List[_Request]]:
-        """The batches of one engine pass. A dense model, or a sparse one whose whole
-        queue fits in sparse_max_batch, computes everything at once; otherwise the
-        one-token steps go together (sparse_max_batch at a time) and each prompt alone,
-        so that every sequence takes the FFN path it would take alone."""
-        if self._dense or sum(len(r.tokens) for r in pending) <= self._sparse_max_batch:
-            return [pending]
-        steps = [r for r in pending if len(r.tokens) == 1]
-        groups = [steps[i : i + self._sparse_max_batch] for i in range(0, len(steps), self._sparse_max_batch)]
-        return groups + [[r] for r in pending if len(r.tokens) != 1]
+        """The batches of one engine pass, in arrival order, one-token steps first. A batch
+        holds at most _EXACT_BATCH tokens, and with a sparse model at most sparse_max_batch
+        (above it the dense FFN would run); a longer request is computed alone. So every
+        request takes the path it takes alone, and its result does not depend on what
+        else is in its batch."""
+        limit = _EXACT_BATCH if self._dense else min(_EXACT_BATCH, self._sparse_max_batch)
+        groups: List[List[_Request]] = []
+        current: List[_Request] = []
+        n = 0
+        for r in sorted(pending, key=lambda r: len(r.tokens) > 1):  # stable: steps, then prompts
+            if len(r.tokens) > limit:
+                groups.append([r])
+                continue
+            if n + len(r.tokens) > limit:
+                groups.append(current)
+                current, n = [], 0
+            current.append(r)
+            n += len(r.tokens)
+        return groups + [current] if current else groups
 
     def _step(self, group: List[_Request]) -> None:
         t0 = time.perf_counter()

@@ -30,11 +30,13 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # official openai client, langchain-community's LlamaCpp classes), are installed too,
 # import-linter, whose lint-imports checks the package's layers (tests/test_layers.py),
 # atheris (coverage-guided fuzzing of the Python readers, tests/fuzz/) and schemathesis
-# (the server against its own OpenAPI schema, tests/test_server_schema.py).
+# (the server against its own OpenAPI schema, tests/test_server_schema.py), and
+# starlette-context, which llama-cpp-python's own server needs (the baseline of
+# `python -m powerinfer_py.bench parallel`).
 DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
       scikit-build-core cmake ninja
       fastapi uvicorn sse-starlette pydantic-settings httpx openai
-      langchain-core langchain-community import-linter atheris schemathesis)
+      langchain-core langchain-community import-linter atheris schemathesis starlette-context)
 
 phase() { printf '\n==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }

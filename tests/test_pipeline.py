@@ -184,12 +184,14 @@ def test_profile_train_convert_generate(tiny, capsys):
         logit = np.maximum(x_res @ fc1.T, 0) @ fc2.T
         margins.append(np.abs(logit - thresholds[il]).min())
         mask = logit >= thresholds[il]
+        counted = mask.copy()
         if il < hp["n_layer"] - 1:
-            # docs/formats.md: a batch of up to sparse_max_batch = 4 tokens takes the sparse
-            # path over the union of its tokens' active neurons; the last layer computes the
-            # batch's last row only (the only one whose logits are read), with its own mask
-            mask[:n_prompt] = mask[:n_prompt].any(axis=0)
-        expected.append((int(mask[n_prompt - 1 :].sum()), mask[n_prompt - 1 :].size))
+            # docs/formats.md: a batch of up to sparse_max_batch tokens takes the sparse path,
+            # reading the union of its tokens' active neurons (what the counters count), each
+            # token using only its own; the last layer computes the batch's last row only
+            # (the only one whose logits are read)
+            counted[:n_prompt] = mask[:n_prompt].any(axis=0)
+        expected.append((int(counted[n_prompt - 1 :].sum()), counted[n_prompt - 1 :].size))
         return mask.astype(np.float64)
 
     llm = _llama(f32, sparse_mode="predictor")

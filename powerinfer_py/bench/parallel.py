@@ -1,0 +1,202 @@
+"""Concurrent clients against the server: `python -m powerinfer_py.bench parallel`.
+
+Starts `python -m powerinfer_py.server --n_parallel N` and llama-cpp-python's own server
+(`python -m llama_cpp.server`, one request at a time) on the same model and threads, then
+runs rounds of 1 and of `--clients` concurrent clients against each, the servers taking
+turns round by round. Every client sends the same kind of chat request in a closed loop:
+a shared system prompt (the prompt cache's case) and its own question, streamed, greedy,
+`--max-tokens` tokens (EOS banned, so every request generates them all). Reported per
+server and client count: aggregate generated tokens/s, median time to first token, and
+whether each concurrent stream's text equals the same request's text with one client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence
+
+from .._machine import cpu_model, measure_bandwidth
+from ..assets.models import model_path as named_model_path
+from .common import print_table
+
+SYSTEM = ("You are a concise assistant. Answer in plain sentences, without lists or code, "
+          "and keep to the question.")
+QUESTIONS = [
+    "Why is the sky blue?", "What does a compiler do?", "How do bees make honey?",
+    "What is a prime number?", "Why do leaves change colour in autumn?", "What is inflation?",
+    "How does a refrigerator keep food cold?", "What is the tallest mountain on Earth?",
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, label: str, module: str, model: str, threads: int, n_ctx: int, extra: Sequence[str]):
+        import httpx
+
+        self.label = label
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", module, "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+               "--verbose", "false", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{label}: `{' '.join(cmd)}` exited with status {self.proc.returncode}")
+            try:
+                # /v1/models: llama_cpp.server has no /health; ours answers it 503 until loaded.
+                if httpx.get(self.url + "/v1/models", timeout=60).status_code == 200 and (
+                    module != "powerinfer_py.server" or httpx.get(self.url + "/health", timeout=60).status_code == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{label} did not come up within 180 s")
+            time.sleep(0.3)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _chat(url: str, question: str, max_tokens: int, eos_bias: Dict[str, float]) -> Dict[str, Any]:
+    """One streamed chat request: its text, tokens (content chunks) and time to first token."""
+    import httpx
+
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens, "temperature": 0, "stream": True, "logit_bias": eos_bias,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    ttft: Optional[float] = None
+    text, chunks = "", 0
+    with httpx.Client(timeout=600) as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                if delta.get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text += delta["content"]
+                    chunks += 1
+    return {"text": text, "chunks": chunks, "ttft": ttft if ttft is not None else time.perf_counter() - t0}
+
+
+def _round(url: str, clients: int, per_client: int, max_tokens: int, eos_bias: Dict[str, float]) -> Dict[str, Any]:
+    """`clients` clients, each sending `per_client` requests one after another."""
+    jobs = [[QUESTIONS[(c * per_client + i) % len(QUESTIONS)] for i in range(per_client)] for c in range(clients)]
+
+    def client(questions: List[str]) -> List[Dict[str, Any]]:
+        return [dict(_chat(url, q, max_tokens, eos_bias), question=q) for q in questions]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        results = [r for rs in ex.map(client, jobs) for r in rs]
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "results": results}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench parallel", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a name from powerinfer_py.assets.models, or a GGUF path")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (and --n_parallel)")
+    p.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2, help="rounds per server and client count; the best is kept")
+    p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python's server")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if min(args.threads, args.clients, args.requests, args.max_tokens, args.rounds) < 1:
+        p.error("--threads, --clients, --requests, --max-tokens and --rounds must be positive")
+    model = args.model if os.path.isfile(args.model) else named_model_path(args.model)
+
+    from .. import Llama
+
+    vocab = Llama(model_path=model, vocab_only=True, verbose=False)
+    eos_bias = {str(t): -100.0 for t in {vocab.token_eos(), *_end_tokens(vocab)} if t >= 0}
+    vocab.close()
+
+    print("measuring bandwidth ...", file=sys.stderr, flush=True)
+    bandwidth = measure_bandwidth(args.threads) / 1e9
+    servers: List[_Server] = []
+    try:
+        servers.append(_Server("powerinfer-py", "powerinfer_py.server", model, args.threads, args.n_ctx,
+                               ["--n_parallel", str(args.clients)]))
+        if not args.no_llama_cpp:
+            servers.append(_Server("llama-cpp-python", "llama_cpp.server", model, args.threads, args.n_ctx,
+                                   ["--interrupt_requests", "false"]))  # serve the queue, do not cut streams
+        best: Dict[tuple, Dict[str, Any]] = {}
+        for rnd in range(args.rounds):
+            for clients in (1, args.clients):
+                for server in servers:
+                    print(f"round {rnd + 1}: {server.label}, {clients} client(s) ...", file=sys.stderr, flush=True)
+                    r = _round(server.url, clients, args.requests, args.max_tokens, eos_bias)
+                    r["tokens"] = sum(x["chunks"] for x in r["results"])
+                    r["tok_s"] = r["tokens"] / r["wall"]
+                    key = (server.label, clients)
+                    if key not in best or r["tok_s"] > best[key]["tok_s"]:
+                        best[key] = r
+    finally:
+        for server in servers:
+            server.close()
+
+    rows, out = [], []
+    for (label, clients), r in best.items():
+        solo = {x["question"]: x["text"] for x in best[(label, 1)]["results"]}
+        same = all(solo.get(x["question"], x["text"]) == x["text"] for x in r["results"])
+        ttft = statistics.median(x["ttft"] for x in r["results"])
+        base = best[(label, 1)]
+        rows.append([label, str(clients), f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x",
+                     f"{ttft * 1000:.0f}", f"{ttft / statistics.median(x['ttft'] for x in base['results']):.2f}x",
+                     "yes" if same else "NO"])  # fmt: skip
+        out.append({"server": label, "clients": clients, "tok_s": r["tok_s"], "ttft_median_s": ttft,
+                    "outputs_equal_solo": same, "wall_s": r["wall"], "tokens": r["tokens"]})  # fmt: skip
+    print_table(
+        f"Concurrent streamed chat completions: {os.path.basename(model)}, {args.threads} threads, "
+        f"{args.requests} requests per client, {args.max_tokens} tokens each; bandwidth {bandwidth:.1f} GB/s",
+        ["server", "clients", "aggregate tok/s", "vs 1 client", "median TTFT ms", "TTFT vs 1 client",
+         "outputs = 1-client run"],
+        rows,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "bandwidth_gbs": bandwidth, "model": model, "rows": out}, f, indent=1)
+    return 0
+
+
+def _end_tokens(vocab: Any) -> List[int]:
+    """End-of-turn tokens the chat template may stop on (<|im_end|>, <|endoftext|>)."""
+    ids = []
+    for text in (b"<|im_end|>", b"<|endoftext|>", b"<|eot_id|>"):
+        toks = vocab.tokenize(text, add_bos=False, special=True)
+        if len(toks) == 1:
+            ids.append(toks[0])
+    return ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())

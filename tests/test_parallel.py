@@ -1,0 +1,324 @@
+"""Several sequences at once (issue 15): the KV cache with sequence sets, powerinfer_decode_batch,
+the per-token neuron masks of the sparse operators, ParallelLlama, and the server's slots.
+
+References are the same engine running each sequence alone: a dense model with flash
+attention must agree bit for bit (the cells of a sequence are visited in position order and
+masked cells are skipped, and ggml's matmuls compute each batch column alone); a sparse
+batch reads the union of its tokens' rows and cuts the fused operator's work by the
+union's length, so its sums are grouped differently: there the bound is a rounding one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from powerinfer_py import Llama, ParallelLlama, PowerInferError
+from powerinfer_py._core import Context, Model
+from powerinfer_py._core.bindings import lib
+from powerinfer_py.assets.synthetic import PRESETS, generate
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
+
+
+@pytest.fixture(scope="module")
+def smol_model(smollm2_path):
+    with Model(smollm2_path) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def smol_llama(smollm2_path):
+    with Llama(model_path=smollm2_path, n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False) as llm:
+        yield llm
+
+
+def _ctx(model, n_seq=4, n_ctx=2048, flash_attn=1):
+    return Context(model, n_ctx=n_ctx, n_threads=2, n_threads_batch=2, n_seq_max=n_seq, flash_attn=flash_attn)
+
+
+def _greedy(ctx, seq, tokens, steps):
+    """Prompt then `steps` greedy steps of one sequence, each step alone; the logits of each."""
+    ctx.decode_batch(tokens, [seq] * len(tokens), [False] * (len(tokens) - 1) + [True])
+    out = [ctx.logits().copy()]
+    for _ in range(steps):
+        ctx.decode_batch([int(out[-1].argmax())], [seq], [True])
+        out.append(ctx.logits().copy())
+    return out
+
+
+def test_batched_sequences_equal_each_alone_bit_for_bit(smol_model, smol_llama):
+    toks = [smol_llama.tokenize(p.encode()) for p in PROMPTS]
+    alone = []
+    for t in toks:
+        with _ctx(smol_model, n_seq=1) as c:
+            alone.append(_greedy(c, 0, t, 12))
+    with _ctx(smol_model) as c:
+        # The prompts in one batch, then every sequence's steps together.
+        flat = [tok for t in toks for tok in t]
+        seqs = [s for s, t in enumerate(toks) for _ in t]
+        last = np.cumsum([len(t) for t in toks]) - 1
+        n = c.decode_batch(flat, seqs, [i in last for i in range(len(flat))])
+        assert n == 4
+        rows = c.logits(0, 4).copy()
+        for step in range(13):
+            for s in range(4):
+                np.testing.assert_array_equal(rows[s], alone[s][step], err_msg=f"sequence {s}, step {step}")
+            if step < 12:
+                c.decode_batch([int(r.argmax()) for r in rows], [0, 1, 2, 3], [True] * 4)
+                rows = c.logits(0, 4).copy()
+
+
+def test_cell_layout_does_not_change_a_sequence(smol_model, smol_llama):
+    """Other sequences' cells before, between and after: the same logits (flash attention)."""
+    t = smol_llama.tokenize(b"def fibonacci(n):")
+    with _ctx(smol_model) as c:
+        ref = _greedy(c, 1, t, 14)
+    with _ctx(smol_model) as c:
+        c.decode_batch([7, 8, 9], [0, 0, 0], [False, False, True])
+        c.decode_batch([11, 12], [2, 2], [False, True])
+        c.kv_seq_rm(2)  # a hole
+        got = _greedy(c, 1, t, 14)
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_shared_prefix_by_seq_cp(smol_model, smol_llama):
+    """seq_cp shares the prefix's cells: continuing from them equals decoding it again."""
+    prefix = smol_llama.tokenize(b"You are a helpful assistant. Question:")
+    rest = smol_llama.tokenize(b" what is two plus two?", add_bos=False)
+    with _ctx(smol_model) as c:
+        ref = _greedy(c, 0, prefix + rest, 3)
+    with _ctx(smol_model) as c:
+        c.decode_batch(prefix, [0] * len(prefix), [False] * len(prefix))
+        used = c.kv_used_cells()
+        c.kv_seq_cp(0, 3, 0, len(prefix))
+        assert c.kv_used_cells() == used and c.kv_seq_pos_max(3) == len(prefix) - 1
+        c.kv_seq_rm(0)  # the source goes away; its cells stay for sequence 3
+        assert c.kv_used_cells() == used
+        got = _greedy(c, 3, rest, 3)
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b)
+        c.kv_seq_keep(1)
+        assert c.kv_used_cells() == 0 and c.kv_seq_pos_max(3) == -1
+
+
+def test_plain_attention_batches_agree_to_rounding(smol_model, smol_llama):
+    """The plain attention graph (llama.cpp's, for dense standard GGUFs) sums over all cells
+    in cell order, so another layout changes the rounding only: every output logit within
+    1e-3 of its scale before quantized activations flip, and the same greedy token."""
+    t = smol_llama.tokenize(b"Once upon a time")
+    with _ctx(smol_model, n_seq=1, flash_attn=0) as c:
+        c.decode(t, 0, False)
+        ref = c.logits().copy()
+    with _ctx(smol_model, flash_attn=0) as c:
+        c.decode_batch([5, 6, 7], [0, 0, 0], [False] * 3)
+        c.decode_batch(t, [2] * len(t), [False] * (len(t) - 1) + [True])
+        got = c.logits().copy()
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+    assert got.argmax() == ref.argmax()
+
+
+@pytest.fixture(scope="module")
+def tiny_pwri(tmp_path_factory):
+    return generate(PRESETS["tiny"], tmp_path_factory.mktemp("synthetic"), progress=False)["powerinfer"]
+
+
+@pytest.mark.parametrize("mode", ["predictor", "gate"])
+def test_sparse_batch_uses_each_tokens_own_neurons(tiny_pwri, mode):
+    """A batch of 4 sequences in a sparse mode reads the union of their active rows, but each
+    token's result is the one it gets alone: before the per-token masks, a neuron active for
+    one sequence was computed for all. The sums are grouped by the union's length, so the
+    bound is rounding: 1e-4 of the logits' scale (errors here are ~1e-6 of it)."""
+    mode_id = {"predictor": lib.POWERINFER_SPARSE_PREDICTOR, "gate": lib.POWERINFER_SPARSE_GATE}[mode]
+    prompts = [[1, 5, 9, 13], [1, 22, 7], [1, 40, 41, 42, 43], [1, 3]]
+    with Model(tiny_pwri, sparse_mode=mode_id) as model:
+        alone = []
+        for p in prompts:
+            with _ctx(model, n_seq=1, n_ctx=256) as c:
+                alone.append(_greedy(c, 0, p, 6))
+        with _ctx(model, n_ctx=1024) as c:
+            for s, p in enumerate(prompts):
+                c.decode_batch(p, [s] * len(p), [False] * (len(p) - 1) + [True])
+            for step in range(1, 7):
+                c.decode_batch([int(alone[s][step - 1].argmax()) for s in range(4)], [0, 1, 2, 3], [True] * 4)
+                rows = c.logits(0, 4)
+                for s in range(4):
+                    ref = alone[s][step]
+                    assert np.abs(rows[s] - ref).max() <= 1e-4 * np.abs(ref).max(), (mode, s, step)
+            n_active, n_total = c.sparse_stats(0)
+            assert 0 < n_active < n_total
+
+
+def test_decode_batch_rejects_bad_input_and_keeps_the_cache(smol_model):
+    with _ctx(smol_model, n_seq=2, n_ctx=256) as c:
+        c.decode_batch([1, 2, 3], [0, 0, 0], [False, False, True])
+        used = c.kv_used_cells()
+        with pytest.raises(PowerInferError, match="sequence id 2 is outside"):
+            c.decode_batch([4], [2], [True])
+        with pytest.raises(PowerInferError, match="continues at position 3"):
+            c.decode_batch([4], [0], [True], pos=[7])
+        with pytest.raises(PowerInferError, match="out of range"):
+            c.decode_batch([10**7], [1], [True])
+        with pytest.raises(PowerInferError, match="KV cache full"):
+            c.decode_batch(list(range(10, 10 + 256)), [1] * 256, [False] * 255 + [True])
+        with pytest.raises(ValueError, match="same length"):
+            c.decode_batch([1, 2], [0], [True])
+        assert c.kv_used_cells() == used and c.kv_seq_pos_max(1) == -1
+        with pytest.raises(PowerInferError, match="sequence id 5"):
+            c.kv_seq_cp(0, 5)
+        # A state file holds one sequence: two are refused with a message, not garbage.
+        c.decode_batch([4], [1], [True])
+        with pytest.raises(PowerInferError, match="several sequences"):
+            c.state_save()
+    with pytest.raises(PowerInferError, match="n_seq_max = 65"):
+        Context(smol_model, n_ctx=256, n_seq_max=65)
+
+
+# ---- ParallelLlama -------------------------------------------------------------------------
+
+
+def test_parallel_llama_streams_equal_their_solo_runs(smol_llama):
+    with ParallelLlama(smol_llama, n_parallel=4) as pool:
+        def ask(prompt):
+            with pool.slot() as slot:
+                return slot.create_completion(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+
+        solo = [ask(p) for p in PROMPTS]
+        steps_before = pool.stats["steps"]
+        together = list(ThreadPoolExecutor(4).map(ask, PROMPTS))
+        assert together == solo
+        generated = pool.stats["tokens_generated"] / 2  # both rounds generated the same
+        # Batched: far fewer steps than tokens in the concurrent round.
+        assert pool.stats["steps"] - steps_before < 0.75 * generated
+        assert pool.slots_busy == 0
+
+
+def test_parallel_llama_reuses_a_cached_prefix(smol_llama):
+    system = "You are a terse assistant. Answer in one word. " * 3
+    with ParallelLlama(smol_llama, n_parallel=2) as pool:
+        with pool.slot() as a:
+            first = a.create_completion(system + "Sky colour?", max_tokens=4, temperature=0)
+        n_system = len(smol_llama.tokenize(system.encode()))
+        with pool.slot() as b:  # the other slot: it takes the prefix over from the idle one
+            assert b is not a
+            b.create_completion(system + "Grass colour?", max_tokens=4, temperature=0)
+        assert pool.stats["prompt_tokens_reused"] >= n_system - 2
+        with pool.slot() as c:
+            again = c.create_completion(system + "Sky colour?", max_tokens=4, temperature=0)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_parallel_llama_errors(smol_llama):
+    with pytest.raises(ValueError, match="n_parallel"):
+        ParallelLlama(smol_llama, n_parallel=0)
+    pool = ParallelLlama(smol_llama, n_parallel=1)
+    slot = pool.acquire()
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.05)
+    with pytest.raises(NotImplementedError, match="save_state"):
+        slot.save_state()
+    with pytest.raises(ValueError, match="exceed context window"):
+        slot.create_completion("x " * 600, max_tokens=1)
+    pool.release(slot)
+    with pytest.raises(ValueError, match="once"):
+        pool.release(slot)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire()
+    # The Llama it was made from still works.
+    assert smol_llama.create_completion("Hi", max_tokens=2)["choices"]
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def parallel_server(smollm2_path):
+    from conftest import ServerProcess
+
+    with ServerProcess(smollm2_path, "--n_ctx", "512", "--n_parallel", "4") as server:
+        yield server
+
+
+def _stream_text(client, payload):
+    text, first = "", None
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/completions", json={**payload, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                first = first or time.perf_counter() - t0
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_server_serves_slots_in_parallel(parallel_server):
+    url = parallel_server.url
+    payloads = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
+    with httpx.Client(base_url=url, timeout=120) as c:
+        solo = [_stream_text(c, p) for p in payloads]
+        props = c.get("/props").json()
+        assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 512
+
+    def run(p):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            return _stream_text(c, p)
+
+    together = list(ThreadPoolExecutor(4).map(run, payloads))
+    assert together == solo
+    with httpx.Client(base_url=url, timeout=120) as c:
+        metrics = c.get("/metrics").text
+        values = dict(
+            line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#")
+        )
+        assert float(values["powerinfer_slots_total"]) == 4
+        assert float(values["powerinfer_tokens_generated_total"]) >= 8 * 23
+        assert float(values["powerinfer_decode_steps_total"]) < float(values["powerinfer_tokens_generated_total"])
+        assert "powerinfer_requests_waiting" in values and "powerinfer_tokens_per_second" in values
+        # Sixteen at once: every one completes, slots are freed.
+        with ThreadPoolExecutor(16) as ex:
+            texts = list(ex.map(run, [{"prompt": f"Count: {i},", "max_tokens": 8, "temperature": 0} for i in range(16)]))
+        assert all(texts)
+        assert c.get("/health").json()["requests_waiting"] == 0
+
+
+def test_server_answers_503_while_loading(smollm2_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from powerinfer_py.server import app as server_app
+    from powerinfer_py.server.settings import ModelSettings, ServerSettings
+
+    gate = threading.Event()
+    real_load = server_app.ServerState._load
+
+    def slow_load(self, llama):
+        gate.wait(60)
+        real_load(self, llama)
+
+    monkeypatch.setattr(server_app.ServerState, "_load", slow_load)
+    app = server_app.create_app(
+        server_settings=ServerSettings(n_parallel=2),
+        model_settings=[ModelSettings(model=smollm2_path, n_ctx=256, verbose=False)],
+        load_in_background=True,
+    )
+    client = TestClient(app)
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading model"
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+    assert client.get("/v1/models").status_code == 200  # the configured aliases need no model
+    gate.set()
+    deadline = time.monotonic() + 60
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    app.state.powerinfer.pool.close()
