@@ -41,12 +41,6 @@ from .llama import Llama
 
 __all__ = ["ParallelLlama"]
 
-# Most tokens in one graph: from 64 query rows on, ggml's CPU flash attention takes its
-# tiled kernel, whose rounding of a row depends on the batch and the cell layout around it
-# (measured: docs/parallel.md); below it every sequence's result is the one it gets alone,
-# bit for bit.
-_EXACT_BATCH = 63
-
 # Longest the engine waits for the other busy slots to queue their tokens before it
 # computes a step without them (they join the next one).
 _MAX_GATHER_S = 0.02
@@ -182,13 +176,13 @@ class ParallelLlama:
         self.n_parallel = n_parallel
         self.n_vocab = llama.n_vocab()
         self._ctx = Context(
-            # Chunks of at most _EXACT_BATCH tokens: a prompt's keys and values (which later
-            # requests reuse as a cached prefix) then do not depend on how it was batched.
-            llama._model, n_ctx=n_ctx_slot * n_parallel, n_batch=min(llama.n_batch, _EXACT_BATCH), n_seq_max=n_parallel,
+            llama._model, n_ctx=n_ctx_slot * n_parallel, n_batch=llama.n_batch, n_seq_max=n_parallel,
             n_threads=llama.n_threads, n_threads_batch=llama.n_threads_batch, seed=base_params.seed,
-            # Flash attention visits a sequence's cells in position order and skips the rest, so
-            # its result does not depend on where the cells sit or what else is in the batch.
+            # Flash attention visits a sequence's cells in position order and skips the rest;
+            # with ggml's reference kernels (no tiling, no split of the cache over threads) a
+            # token's result then depends neither on its batch nor on where its cells sit.
             flash_attn=base_params.flash_attn if base_params.flash_attn >= 0 else 1, embeddings=False,
+            batch_invariant=True,
         )  # fmt: skip
         self.n_ctx_slot = min(n_ctx_slot, self._ctx.n_ctx())
         self._sparse_max_batch = self._ctx.sparse_max_batch()
@@ -318,12 +312,13 @@ class ParallelLlama:
                 self._step(group)
 
     def _groups(self, pending: List[_Request]) -> List[List[_Request]]:
-        """The batches of one engine pass, in arrival order, one-token steps first. A batch
-        holds at most _EXACT_BATCH tokens, and with a sparse model at most sparse_max_batch
-        (above it the dense FFN would run); a longer request is computed alone. So every
-        request takes the path it takes alone, and its result does not depend on what
-        else is in its batch."""
-        limit = _EXACT_BATCH if self._dense else min(_EXACT_BATCH, self._sparse_max_batch)
+        """The batches of one engine pass, in arrival order, one-token steps first. With a
+        sparse model a batch holds at most sparse_max_batch tokens (above it the dense FFN
+        would run) and a longer request is computed alone, so every request takes the FFN
+        path it takes alone; a dense model computes the whole queue at once."""
+        if self._dense:
+            return [pending]
+        limit = self._sparse_max_batch
         groups: List[List[_Request]] = []
         current: List[_Request] = []
         n = 0

@@ -2,10 +2,11 @@
 the per-token neuron masks of the sparse operators, ParallelLlama, and the server's slots.
 
 References are the same engine running each sequence alone: a dense model with flash
-attention must agree bit for bit (the cells of a sequence are visited in position order and
-masked cells are skipped, and ggml's matmuls compute each batch column alone); a sparse
-batch reads the union of its tokens' rows and cuts the fused operator's work by the
-union's length, so its sums are grouped differently: there the bound is a rounding one.
+attention and ggml's reference kernels (batch_invariant, what ParallelLlama uses) must agree
+bit for bit (a sequence's cells are visited in position order, masked cells are skipped, and
+each batch column is computed alone); a sparse batch reads the union of its tokens' rows and
+cuts the fused operator's work by the union's length, so its sums are grouped differently:
+there the bound is a rounding one.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def smol_llama(smollm2_path):
         yield llm
 
 
-def _ctx(model, n_seq=4, n_ctx=2048, flash_attn=1):
-    return Context(model, n_ctx=n_ctx, n_threads=2, n_threads_batch=2, n_seq_max=n_seq, flash_attn=flash_attn)
+def _ctx(model, n_seq=4, n_ctx=2048, flash_attn=1, batch_invariant=True):
+    return Context(model, n_ctx=n_ctx, n_threads=2, n_threads_batch=2, n_seq_max=n_seq, flash_attn=flash_attn,
+                   batch_invariant=batch_invariant)
 
 
 def _greedy(ctx, seq, tokens, steps):
@@ -88,6 +90,31 @@ def test_cell_layout_does_not_change_a_sequence(smol_model, smol_llama):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invariant):
+    """ggml's CPU flash attention tiles batches of 64 query rows or more, and splits a single
+    row's attention over the threads when it spans 512 cells or more: both change the rounding
+    with the batch and the cell layout. batch_invariant (the reference kernels) keeps them out."""
+    t = smol_llama.tokenize(b"def fibonacci(n):")
+    with _ctx(smol_model, batch_invariant=batch_invariant) as c:
+        c.decode_batch(t, [1] * len(t), [True] * len(t))
+        alone = c.logits(0, len(t)).copy()
+        c.decode_batch([500], [1], [True])
+        step_alone = c.logits().copy()
+    with _ctx(smol_model, batch_invariant=batch_invariant) as c:
+        other = list(range(200, 270))  # 70 tokens of another sequence in the same batch
+        c.decode_batch(t + other, [1] * len(t) + [0] * len(other), [True] * len(t) + [False] * len(other))
+        batched = c.logits(0, len(t)).copy()
+        for _ in range(9):  # sequence 0 fills cells up to ~700: sequence 1's next cell lies past 512
+            c.decode_batch(list(range(300, 370)), [0] * 70, [False] * 69 + [True])
+        c.decode_batch([500], [1], [True])
+        step_far = c.logits().copy()
+    same = np.array_equal(batched, alone) and np.array_equal(step_far, step_alone)
+    assert same == batch_invariant
+    # Either way the difference is rounding, amplified by quantized activations.
+    assert np.abs(step_far - step_alone).max() < 0.1 * np.abs(step_alone).max()
+
+
 def test_shared_prefix_by_seq_cp(smol_model, smol_llama):
     """seq_cp shares the prefix's cells: continuing from them equals decoding it again."""
     prefix = smol_llama.tokenize(b"You are a helpful assistant. Question:")
@@ -113,10 +140,10 @@ def test_plain_attention_batches_agree_to_rounding(smol_model, smol_llama):
     in cell order, so another layout changes the rounding only: every output logit within
     1e-3 of its scale before quantized activations flip, and the same greedy token."""
     t = smol_llama.tokenize(b"Once upon a time")
-    with _ctx(smol_model, n_seq=1, flash_attn=0) as c:
+    with _ctx(smol_model, n_seq=1, flash_attn=0, batch_invariant=False) as c:
         c.decode(t, 0, False)
         ref = c.logits().copy()
-    with _ctx(smol_model, flash_attn=0) as c:
+    with _ctx(smol_model, flash_attn=0, batch_invariant=False) as c:
         c.decode_batch([5, 6, 7], [0, 0, 0], [False] * 3)
         c.decode_batch(t, [2] * len(t), [False] * (len(t) - 1) + [True])
         got = c.logits().copy()

@@ -38,6 +38,7 @@ struct powerinfer_context_params powerinfer_context_default_params(void) {
         .collect_activations = false,
         .sparse_max_batch = -1,
         .n_seq_max       = 1,
+        .batch_invariant = false,
     };
     return p;
 }
@@ -252,6 +253,9 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
+    }
+    if (params.batch_invariant) {
+        ggml_backend_cpu_set_use_ref(ctx->backend, true);
     }
     if (pi_kv_cache_init(&ctx->kv, model, params.n_ctx, params.n_seq_max, !params.flash_attn, NULL) != POWERINFER_OK ||
         reserve_compute(ctx) != POWERINFER_OK || place(ctx) != POWERINFER_OK) {
