@@ -349,3 +349,23 @@ def test_server_answers_503_while_loading(smollm2_path, monkeypatch):
         time.sleep(0.05)
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
     app.state.powerinfer.pool.close()
+
+
+def test_server_disconnect_frees_the_slot(parallel_server):
+    """A client that goes away mid-stream: its generation stops and its slot is free again."""
+
+    def busy():
+        text = httpx.get(parallel_server.url + "/metrics", timeout=30).text
+        return float(next(l.split()[1] for l in text.splitlines() if l.startswith("powerinfer_slots_busy ")))
+
+    payload = {"prompt": "1, 2, 3,", "max_tokens": 400, "min_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=parallel_server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=payload) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert busy() == 1
+    deadline = time.monotonic() + 30
+    while busy() != 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.1)

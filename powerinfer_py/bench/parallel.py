@@ -5,9 +5,12 @@ Starts `python -m powerinfer_py.server --n_parallel N` and llama-cpp-python's ow
 runs rounds of 1 and of `--clients` concurrent clients against each, the servers taking
 turns round by round. Every client sends the same kind of chat request in a closed loop:
 a shared system prompt (the prompt cache's case) and its own question, streamed, greedy,
-`--max-tokens` tokens (EOS banned, so every request generates them all). Reported per
-server and client count: aggregate generated tokens/s, median time to first token, and
-whether each concurrent stream's text equals the same request's text with one client.
+EOS banned so every request generates its length: `--max-tokens`, or with `--stagger`
+between half and 1.5 times that, by question (as chats differ in length; with equal
+lengths the clients' requests all start in the same step, and each waits for the others'
+prompts). Reported per server and client count: aggregate generated tokens/s, median time
+to first token, and whether each concurrent stream's text equals the same request's text
+with one client.
 """
 
 from __future__ import annotations
@@ -104,12 +107,20 @@ def _chat(url: str, question: str, max_tokens: int, eos_bias: Dict[str, float]) 
     return {"text": text, "chunks": chunks, "ttft": ttft if ttft is not None else time.perf_counter() - t0}
 
 
-def _round(url: str, clients: int, per_client: int, max_tokens: int, eos_bias: Dict[str, float]) -> Dict[str, Any]:
-    """`clients` clients, each sending `per_client` requests one after another."""
-    jobs = [[QUESTIONS[(c * per_client + i) % len(QUESTIONS)] for i in range(per_client)] for c in range(clients)]
+# --stagger: request lengths, as fractions of --max-tokens, by question.
+_STAGGER = [1.0, 0.5, 1.25, 0.75, 1.5, 0.625, 1.125, 0.875]
 
-    def client(questions: List[str]) -> List[Dict[str, Any]]:
-        return [dict(_chat(url, q, max_tokens, eos_bias), question=q) for q in questions]
+
+def _round(url: str, clients: int, per_client: int, max_tokens: int, eos_bias: Dict[str, float],
+           stagger: bool) -> Dict[str, Any]:
+    """`clients` clients, each sending `per_client` requests one after another."""
+    jobs = [[(c * per_client + i) % len(QUESTIONS) for i in range(per_client)] for c in range(clients)]
+
+    def length(q: int) -> int:
+        return max(1, round(max_tokens * _STAGGER[q % len(_STAGGER)])) if stagger else max_tokens
+
+    def client(questions: List[int]) -> List[Dict[str, Any]]:
+        return [dict(_chat(url, QUESTIONS[q], length(q), eos_bias), question=QUESTIONS[q]) for q in questions]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
@@ -125,6 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (and --n_parallel)")
     p.add_argument("--requests", type=int, default=2, help="requests per client per round")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--stagger", action="store_true", help="vary the request lengths (0.5x to 1.5x --max-tokens)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per server and client count; the best is kept")
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python's server")
@@ -154,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for clients in (1, args.clients):
                 for server in servers:
                     print(f"round {rnd + 1}: {server.label}, {clients} client(s) ...", file=sys.stderr, flush=True)
-                    r = _round(server.url, clients, args.requests, args.max_tokens, eos_bias)
+                    r = _round(server.url, clients, args.requests, args.max_tokens, eos_bias, args.stagger)
                     r["tokens"] = sum(x["chunks"] for x in r["results"])
                     r["tok_s"] = r["tokens"] / r["wall"]
                     key = (server.label, clients)
@@ -177,7 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "outputs_equal_solo": same, "wall_s": r["wall"], "tokens": r["tokens"]})  # fmt: skip
     print_table(
         f"Concurrent streamed chat completions: {os.path.basename(model)}, {args.threads} threads, "
-        f"{args.requests} requests per client, {args.max_tokens} tokens each; bandwidth {bandwidth:.1f} GB/s",
+        f"{args.requests} requests per client, {args.max_tokens} tokens each"
+        f"{' (staggered: 0.5x-1.5x)' if args.stagger else ''}; bandwidth {bandwidth:.1f} GB/s",
         ["server", "clients", "aggregate tok/s", "vs 1 client", "median TTFT ms", "TTFT vs 1 client",
          "outputs = 1-client run"],
         rows,
