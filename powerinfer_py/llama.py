@@ -141,6 +141,7 @@ class Llama:
         activation_dir: Optional[str] = None,
         reset_gpu_index: bool = False,
         emulate_device: bool = False,
+        repack: bool = True,
         **kwargs: Any,  # accepted and ignored, as upstream does (LangChain passes n_parts, f16_kv, ...)
     ):
         """Load a model. The parameters are llama_cpp.Llama's (see its documentation),
@@ -160,6 +161,11 @@ class Llama:
             reset_gpu_index: Ignore `<model>.generated.gpuidx` and solve the placement again.
             emulate_device: Hybrid placement with the device emulated by a CPU buffer under
                 `vram_budget` (tests, machines without a GPU); see docs/hybrid.md.
+            repack: Dense matmul weights in ggml's repacked CPU layouts (Q4_0, Q4_K, IQ4_NL on
+                x86), as llama.cpp does (llama.cpp's --no-repack is repack=False). Their
+                4-column kernels round a batch column differently from a lone one, so a
+                ParallelLlama is bit-exact against solo runs only with repack=False (the
+                server sets it with --n_parallel > 1); docs/parallel.md.
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
@@ -215,7 +221,7 @@ class Llama:
             self._model = Model(model_path, **_loading.model_fields(
                 n_threads=n_threads, vram_budget=vram_budget, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                 vocab_only=vocab_only, sparse_mode=sparse_mode, sparse_threshold=sparse_threshold,
-                emulate_device=emulate_device, reset_gpu_index=reset_gpu_index,
+                emulate_device=emulate_device, reset_gpu_index=reset_gpu_index, repack=repack,
             ))  # fmt: skip
         except PowerInferError as e:
             if fallback and e.status == ERR_UNSUPPORTED:

@@ -115,6 +115,27 @@ def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invarian
     assert np.abs(step_far - step_alone).max() < 0.1 * np.abs(step_alone).max()
 
 
+def test_unrepacked_k_quants_batch_bit_for_bit(qwen_path):
+    """Qwen2.5's Q4_K weights: ggml repacks them for a 4-column GEMM whose rounding differs from
+    the one-column kernel, so 4 sequences stepping together drift from their solo runs
+    (measured: logits off by ~0.4 after 3-5 steps). Unrepacked (what the server loads with
+    --n_parallel > 1), every step equals its solo run."""
+    prompts = [[9707, 11, 1246, 525, 498, 30] + [100 + 7 * i + k for k in range(10 + i)] for i in range(4)]
+    with Model(qwen_path, use_repack=False) as model:
+        alone = []
+        for p in prompts:
+            with _ctx(model, n_seq=1, n_ctx=256) as c:
+                alone.append(_greedy(c, 0, p, 8))
+        with _ctx(model, n_ctx=1024) as c:
+            for s, p in enumerate(prompts):
+                c.decode_batch(p, [s] * len(p), [False] * (len(p) - 1) + [True])
+                np.testing.assert_array_equal(c.logits(), alone[s][0])
+            for step in range(1, 9):
+                c.decode_batch([int(alone[s][step - 1].argmax()) for s in range(4)], [0, 1, 2, 3], [True] * 4)
+                for s in range(4):
+                    np.testing.assert_array_equal(c.logits(0, 4)[s], alone[s][step], err_msg=f"sequence {s}, step {step}")
+
+
 def test_shared_prefix_by_seq_cp(smol_model, smol_llama):
     """seq_cp shares the prefix's cells: continuing from them equals decoding it again."""
     prefix = smol_llama.tokenize(b"You are a helpful assistant. Question:")

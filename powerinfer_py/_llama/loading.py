@@ -64,7 +64,7 @@ def unsupported_features(*, lora_path, kv_overrides, rope_freq_base, rope_freq_s
 
 def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: int, use_mmap: bool,
                  vocab_only: bool, sparse_mode: str, sparse_threshold: Optional[float], emulate_device: bool,
-                 reset_gpu_index: bool) -> Dict[str, Any]:
+                 reset_gpu_index: bool, repack: bool = True) -> Dict[str, Any]:
     """struct powerinfer_model_params fields for Model()."""
     fields: Dict[str, Any] = dict(
         n_threads=n_threads,
@@ -76,6 +76,7 @@ def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: 
         sparse_threshold=float("nan") if sparse_threshold is None else float(sparse_threshold),
         emulate_device=bool(emulate_device),
         reset_gpu_index=bool(reset_gpu_index),
+        use_repack=bool(repack),
     )
     if vram_budget is not None and vram_budget > 0:
         fields["vram_budget_bytes"] = int(float(vram_budget) * 2**30)  # exact, not a C float

@@ -264,7 +264,10 @@ class ServerState:
             self._load(llama)
 
     def _load(self, llama: Any) -> None:
-        proxy = ModelProxy(self.model_settings, llama=llama)
+        # Slots batch their steps: unrepacked weights keep every batch column's rounding that
+        # of a lone one (docs/parallel.md), so each stream equals its solo run.
+        overrides = {"repack": False} if self.n_parallel > 1 else {}
+        proxy = ModelProxy(self.model_settings, llama=llama, overrides=overrides)
         if self.n_parallel > 1:
             from ..parallel import ParallelLlama
 

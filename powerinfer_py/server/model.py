@@ -67,8 +67,9 @@ def _parse_kv_overrides(items: List[str]) -> Dict[str, Union[bool, int, float, s
     return out
 
 
-def load_llama_from_model_settings(settings: ModelSettings):
-    """A powerinfer_py.Llama configured as llama_cpp.server would configure llama_cpp.Llama.
+def load_llama_from_model_settings(settings: ModelSettings, **overrides: Any):
+    """A powerinfer_py.Llama configured as llama_cpp.server would configure llama_cpp.Llama
+    (`overrides`: Llama keyword arguments the server itself sets, e.g. repack=False).
 
     Raises:
         ValueError: The settings ask for something this server cannot do (a Hugging Face
@@ -111,7 +112,7 @@ def load_llama_from_model_settings(settings: ModelSettings):
     if settings.sparse_threshold is not None:
         kwargs["sparse_threshold"] = settings.sparse_threshold
 
-    llama = Llama(model_path=settings.model, **kwargs)
+    llama = Llama(model_path=settings.model, **{**kwargs, **overrides})
 
     if settings.chat_template_kwargs:
         _bind_chat_template_kwargs(llama, settings.chat_template_kwargs)
@@ -157,7 +158,7 @@ class ModelProxy:
     Not thread-safe: the app calls it only while holding its model lock.
     """
 
-    def __init__(self, models: List[ModelSettings], llama: Any = None) -> None:
+    def __init__(self, models: List[ModelSettings], llama: Any = None, overrides: Optional[Dict[str, Any]] = None) -> None:
         if not models:
             raise ValueError("No models provided!")
         self._settings: Dict[str, ModelSettings] = {}
@@ -167,7 +168,8 @@ class ModelProxy:
             self._settings[model.model_alias] = model
         self.default_alias: str = models[0].model_alias  # type: ignore[assignment]
         self._current_alias: Optional[str] = self.default_alias
-        self._current = llama if llama is not None else load_llama_from_model_settings(models[0])
+        self._overrides = dict(overrides or {})
+        self._current = llama if llama is not None else load_llama_from_model_settings(models[0], **self._overrides)
 
     def resolve(self, model: Optional[str]) -> str:
         """The alias a request's `model` field selects; unknown names get the default model."""
@@ -180,7 +182,7 @@ class ModelProxy:
         if self._current is not None:
             self._current.close()
         self._current = None
-        self._current = load_llama_from_model_settings(self._settings[alias])
+        self._current = load_llama_from_model_settings(self._settings[alias], **self._overrides)
         self._current_alias = alias
         return self._current
 
