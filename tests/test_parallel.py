@@ -54,6 +54,28 @@ def _greedy(ctx, seq, tokens, steps):
     return out
 
 
+def _alone_and_together(model, prompts, steps):
+    """Each prompt's greedy run alone, and the same sequences decoded in one context: the
+    prompts one after another, then every greedy step of all of them in one batch. Per
+    sequence, the logits after its prompt and after each step."""
+    alone = []
+    for p in prompts:
+        with _ctx(model, n_seq=1, n_ctx=256) as c:
+            alone.append(_greedy(c, 0, p, steps))
+    together = [[] for _ in prompts]
+    with _ctx(model, n_ctx=1024) as c:
+        for s, p in enumerate(prompts):
+            c.decode_batch(p, [s] * len(p), [False] * (len(p) - 1) + [True])
+            together[s].append(c.logits().copy())
+        n = len(prompts)
+        for step in range(1, steps + 1):
+            c.decode_batch([int(alone[s][step - 1].argmax()) for s in range(n)], list(range(n)), [True] * n)
+            rows = c.logits(0, n)
+            for s in range(n):
+                together[s].append(rows[s].copy())
+    return alone, together
+
+
 def test_batched_sequences_equal_each_alone_bit_for_bit(smol_model, smol_llama):
     toks = [smol_llama.tokenize(p.encode()) for p in PROMPTS]
     alone = []
@@ -122,18 +144,10 @@ def test_unrepacked_k_quants_batch_bit_for_bit(qwen_path):
     --n_parallel > 1), every step equals its solo run."""
     prompts = [[9707, 11, 1246, 525, 498, 30] + [100 + 7 * i + k for k in range(10 + i)] for i in range(4)]
     with Model(qwen_path, use_repack=False) as model:
-        alone = []
-        for p in prompts:
-            with _ctx(model, n_seq=1, n_ctx=256) as c:
-                alone.append(_greedy(c, 0, p, 8))
-        with _ctx(model, n_ctx=1024) as c:
-            for s, p in enumerate(prompts):
-                c.decode_batch(p, [s] * len(p), [False] * (len(p) - 1) + [True])
-                np.testing.assert_array_equal(c.logits(), alone[s][0])
-            for step in range(1, 9):
-                c.decode_batch([int(alone[s][step - 1].argmax()) for s in range(4)], [0, 1, 2, 3], [True] * 4)
-                for s in range(4):
-                    np.testing.assert_array_equal(c.logits(0, 4)[s], alone[s][step], err_msg=f"sequence {s}, step {step}")
+        alone, together = _alone_and_together(model, prompts, 8)
+    for s in range(4):
+        for step in range(9):
+            np.testing.assert_array_equal(together[s][step], alone[s][step], err_msg=f"sequence {s}, step {step}")
 
 
 def test_shared_prefix_by_seq_cp(smol_model, smol_llama):
@@ -186,21 +200,15 @@ def test_sparse_batch_uses_each_tokens_own_neurons(tiny_pwri, mode):
     mode_id = {"predictor": lib.POWERINFER_SPARSE_PREDICTOR, "gate": lib.POWERINFER_SPARSE_GATE}[mode]
     prompts = [[1, 5, 9, 13], [1, 22, 7], [1, 40, 41, 42, 43], [1, 3]]
     with Model(tiny_pwri, sparse_mode=mode_id) as model:
-        alone = []
-        for p in prompts:
-            with _ctx(model, n_seq=1, n_ctx=256) as c:
-                alone.append(_greedy(c, 0, p, 6))
-        with _ctx(model, n_ctx=1024) as c:
-            for s, p in enumerate(prompts):
-                c.decode_batch(p, [s] * len(p), [False] * (len(p) - 1) + [True])
-            for step in range(1, 7):
-                c.decode_batch([int(alone[s][step - 1].argmax()) for s in range(4)], [0, 1, 2, 3], [True] * 4)
-                rows = c.logits(0, 4)
-                for s in range(4):
-                    ref = alone[s][step]
-                    assert np.abs(rows[s] - ref).max() <= 1e-4 * np.abs(ref).max(), (mode, s, step)
+        alone, together = _alone_and_together(model, prompts, 6)
+        with _ctx(model, n_ctx=1024) as c:  # sparse steps count active neurons
+            c.decode_batch([1, 5], [0, 1], [True, True])
             n_active, n_total = c.sparse_stats(0)
             assert 0 < n_active < n_total
+    for s in range(4):
+        for step in range(1, 7):
+            ref = alone[s][step]
+            assert np.abs(together[s][step] - ref).max() <= 1e-4 * np.abs(ref).max(), (mode, s, step)
 
 
 def test_decode_batch_rejects_bad_input_and_keeps_the_cache(smol_model):
