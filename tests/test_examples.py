@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, List, Optional
@@ -105,3 +106,11 @@ def test_simple_c(smollm2_path):
         pytest.skip(f"{SIMPLE.relative_to(REPO_DIR)} is not built (examples/simple.c, a CMake target of the C core)")
     out = _run([SIMPLE, "-m", smollm2_path, "-p", "The capital of France is", "-n", "8"], timeout=300)
     assert out.strip(), "build/bin/simple printed no text"
+
+
+def test_parallel_requests(smollm2_path):
+    out = _example("parallel_requests.py", model=smollm2_path)
+    assert out.count("Q: ") == 4 and out.count("A: ") == 4
+    assert "blue" in out  # "What colour is the sky?"
+    generated, steps = (int(x) for x in re.search(r"(\d+) tokens generated in (\d+) batched steps", out).groups())
+    assert steps < generated  # the four answers' steps were batched
