@@ -351,6 +351,64 @@ def test_relufy_torch_forward_matches_engine(tiny):
     assert c["top1_agree"] == 1.0 and c["rel_diff"] < 1e-4
 
 
+def _qwen2_tiny(tiny, tmp_path):
+    """The tiny llama model as a qwen2 GGUF: the same keys under qwen2.*, and q/k/v biases
+    (qwen2's), which the engine adds and runs with RoPE in NEOX mode."""
+    import gguf
+
+    from powerinfer_py.formats.gguf_io import finish, new_writer
+
+    src = open_gguf(tiny["gguf"])
+    dst = tmp_path / "qwen2.gguf"
+    w = new_writer(str(dst), "qwen2")
+    for name, f in src.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        key = "qwen2." + name[len("llama."):] if name.startswith("llama.") else name
+        w.add_key_value(key, f.contents(), vtype, sub_type=sub)
+    rng = np.random.default_rng(5)
+    for t in src.tensors:
+        arr = tensor_f32(t)
+        w.add_tensor(t.name, arr)
+        for n in ("attn_q", "attn_k", "attn_v"):
+            if t.name.endswith(f".{n}.weight"):
+                w.add_tensor(t.name.replace(".weight", ".bias"), (0.5 * rng.standard_normal(arr.shape[0])).astype(np.float32))
+    finish(w, str(dst))
+    return dst
+
+
+def test_relufy_qwen2(tiny, tmp_path):
+    """qwen2 (q/k/v biases, NEOX RoPE): the torch model computes what the engine computes on
+    the original, and a relufied qwen2 keeps its architecture and biases and runs."""
+    pytest.importorskip("torch")
+    from powerinfer_py.pipeline.relufy import check_against_engine
+
+    qwen = _qwen2_tiny(tiny, tmp_path)
+    toks = [1, 40, 72, 101, 33, 260, 70, 90, 45, 12, 200, 7] * 3
+    c = check_against_engine(str(qwen), toks)
+    assert c["top1_agree"] == 1.0 and c["rel_diff"] < 1e-4, c
+    # both differences from llama matter: without the biases, or with NORMAL RoPE, the torch
+    # model is far from the engine's
+    from powerinfer_py.pipeline.relufy import load_weights
+
+    hp, weights, _ = load_weights(str(qwen))
+    no_bias = {k: (np.zeros_like(v) if k.endswith(".bias") else v) for k, v in weights.items()}
+    assert check_against_engine(str(qwen), toks, hp, no_bias)["rel_diff"] > 1e-2
+    assert check_against_engine(str(qwen), toks, dict(hp, rope_neox=False), weights)["rel_diff"] > 1e-2
+    out = tmp_path / "relu-qwen2.gguf"
+    assert cli.main(["relufy", str(qwen), "--corpus", tiny["corpus"], "--out", str(out), "--steps", "2",
+                     "--seq-len", "32", "--batch", "1", "--layerwise-steps", "2", "--layerwise-seqs", "2",
+                     "--outtype", "f32", "--distill", "1"]) == 0
+    r = open_gguf(out)
+    assert field(r, "general.architecture") == "qwen2" and field(r, "powerinfer.ffn_activation") == "relu"
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.attn_q.bias", "blk.1.attn_v.bias"} <= names
+    llm = _llama(out)
+    assert len(llm.tokenize(b"In the beginning")) > 0 and llm.create_completion("In the", max_tokens=4)["choices"]
+
+
 def test_relufy_checkpoint_resume_and_flow(tiny, tmp_path):
     pytest.importorskip("torch")
     out, ck = tmp_path / "relu.gguf", tmp_path / "ck"
@@ -401,15 +459,10 @@ def test_profile_plot(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
-    """--distill 1: the loss is KL(original || model) alone. The tiny model made a SiLU
-    original (its key removed, its gates scaled into SiLU's curved range) starts, relufied,
-    away from it (KL 0.05 nats), and training on that loss
-    brings it closer: the KL after training is under half the KL before, both measured
-    independently of torch (tests/numpy_llama.py's float64 forward passes, on corpus tokens)."""
-    pytest.importorskip("torch")
-    from numpy_llama import forward, read_f32_model
-
+def _silu_tiny(tiny, tmp_path):
+    """The tiny model made a SiLU original: its activation key removed, its gates scaled
+    down (up scaled up to match) so preactivations sit near 0, where SiLU and ReLU differ;
+    with the synthetic gates as they are the two models nearly agree."""
     from powerinfer_py.formats.gguf_io import KEY_ACTIVATION, copy_kv, finish, new_writer
 
     silu = tmp_path / "silu.gguf"
@@ -417,11 +470,77 @@ def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
     w = new_writer(str(silu), "llama")
     copy_kv(r, w, skip={KEY_ACTIVATION})
     for t in r.tensors:
-        # gate scaled down (up scaled up to match): preactivations near 0, where SiLU and
-        # ReLU differ; with the synthetic gates as they are the two models nearly agree
         scale = 0.1 if t.name.endswith("ffn_gate.weight") else 10.0 if t.name.endswith("ffn_up.weight") else 1.0
         w.add_tensor(t.name, tensor_f32(t) * np.float32(scale))
     finish(w, str(silu))
+    return silu
+
+
+def _kl_from(original, hp, toks):
+    """kl(weights): mean KL(original SiLU model || ReLU model with WEIGHTS) over TOKS, both
+    from tests/numpy_llama.py's float64 forward pass (independent of torch and the engine)."""
+    from numpy_llama import forward
+
+    def log_softmax(x):
+        m = x.max(axis=1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+
+    teacher = log_softmax(forward(original, dict(hp, act="silu"), toks))
+
+    def kl(weights):
+        student = log_softmax(forward(weights, dict(hp, act="relu"), toks))
+        return float((np.exp(teacher) * (teacher - student)).sum(axis=1).mean())
+
+    return kl
+
+
+def test_relufy_layerwise_stage(tiny, tmp_path):
+    """--layerwise-steps alone (no end-to-end step): fitting each relufied FFN to the
+    original's residual stream, layer after layer, brings the model closer to the original
+    (KL measured by numpy on corpus tokens: under half of the plain relufied model's), and
+    with --target-sparsity each layer's share of zero activations rises to near it. The
+    stage's result is kept in the checkpoint folder and reused by a run with the same
+    settings (same weights written), not by one with other settings."""
+    pytest.importorskip("torch")
+    from numpy_llama import read_f32_model
+
+    silu = _silu_tiny(tiny, tmp_path)
+    ck, out, out2 = tmp_path / "ck", tmp_path / "lw.gguf", tmp_path / "lw2.gguf"
+
+    def run(dest, *extra):
+        rep = tmp_path / (dest.stem + ".json")
+        assert cli.main(["relufy", str(silu), "--corpus", tiny["corpus"], "--out", str(dest), "--steps", "0",
+                         "--seq-len", "32", "--layerwise-steps", "60", "--layerwise-seqs", "8", "--layerwise-lr", "3e-3",
+                         "--outtype", "f32", "--checkpoint-dir", str(ck), "--report", str(rep), *extra]) == 0
+        return json.loads(rep.read_text())["layerwise"]
+
+    rep = run(out, "--target-sparsity", "0.8")
+    original, hp = read_f32_model(str(silu), tmp_path)
+    fitted, _ = read_f32_model(str(out), tmp_path)
+    kl = _kl_from(original, hp, tokenize_texts(str(silu), [TEXT])[:48].tolist())
+    before, after = kl(original), kl(fitted)
+    assert after < 0.5 * before, (before, after)
+    for layer in rep["layers"]:
+        assert layer["sparsity_after"] > layer["sparsity_before"] + 0.05 or layer["sparsity_after"] > 0.75, layer
+    assert (ck / "relufy-layerwise.pt").is_file() and "loaded_from" not in rep
+    again = run(out2, "--target-sparsity", "0.8")
+    assert again["loaded_from"] == str(ck / "relufy-layerwise.pt")
+    assert out2.read_bytes() == out.read_bytes()
+    assert "loaded_from" not in run(out2, "--target-sparsity", "0.7")
+    assert cli.main(["relufy", str(silu), "--corpus", tiny["corpus"], "--out", str(out2), "--steps", "0",
+                     "--target-sparsity", "1.5"]) == 1
+
+
+def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
+    """--distill 1: the loss is KL(original || model) alone. The tiny model made a SiLU
+    original (its key removed, its gates scaled into SiLU's curved range) starts, relufied,
+    away from it (KL 0.05 nats), and training on that loss
+    brings it closer: the KL after training is under half the KL before, both measured
+    independently of torch (tests/numpy_llama.py's float64 forward passes, on corpus tokens)."""
+    pytest.importorskip("torch")
+    from numpy_llama import read_f32_model
+
+    silu = _silu_tiny(tiny, tmp_path)
     out = tmp_path / "relu.gguf"
     rep_path = tmp_path / "r.json"
     assert cli.main(["relufy", str(silu), "--corpus", tiny["corpus"], "--out", str(out), "--steps", "24",
@@ -432,18 +551,7 @@ def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
 
     original, hp = read_f32_model(str(silu), tmp_path)
     trained, _ = read_f32_model(str(out), tmp_path)
-
-    def log_softmax(x):
-        m = x.max(axis=1, keepdims=True)
-        return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
-
-    toks = tokenize_texts(str(silu), [TEXT])[:48].tolist()
-    teacher = log_softmax(forward(original, dict(hp, act="silu"), toks))
-
-    def kl(weights):
-        student = log_softmax(forward(weights, dict(hp, act="relu"), toks))
-        return float((np.exp(teacher) * (teacher - student)).sum(axis=1).mean())
-
+    kl = _kl_from(original, hp, tokenize_texts(str(silu), [TEXT])[:48].tolist())
     before, after = kl(original), kl(trained)
     assert after < 0.5 * before, (before, after)
     # resuming a checkpoint with another distillation setting is refused; bad values too

@@ -2,12 +2,13 @@
 
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf [--act relu|drelu]
         [--l1 COEF] [--fatrelu-shift S] [--steps N] [--seq-len L] [--batch B]
+        [--distill W] [--layerwise-steps N] [--target-sparsity S]
         [--checkpoint-dir D] [--resume] [--check]
 
-The model (a llama-architecture GGUF, any weight type: dequantized with gguf) is
-rebuilt in PyTorch exactly as the engine computes it: RMSNorm, RoPE in ggml's normal
-mode (adjacent pairs: GGUF q/k weights are already permuted for it), grouped-query
-attention, tied output. The FFN activation SiLU(gate)·up is replaced by ReLU(gate)·up
+The model (a llama- or qwen2-architecture GGUF, any weight type: dequantized with gguf)
+is rebuilt in PyTorch exactly as the engine computes it: RMSNorm, RoPE in ggml's normal
+mode for llama (adjacent pairs: GGUF q/k weights are already permuted for it) and NEOX
+mode for qwen2 (halves), qwen2's q/k/v biases, grouped-query attention, tied output. The FFN activation SiLU(gate)·up is replaced by ReLU(gate)·up
 (or dReLU, ReLU(gate)·ReLU(up)); optionally a FATReLU shift zeroes gate values below
 S. The model is then fine-tuned on the corpus with next-token cross-entropy plus an L1
 penalty on the FFN activations (per token, the sum of |act| over a layer's neurons,
@@ -15,7 +16,15 @@ averaged over layers; its coefficient ramps up linearly over the first quarter o
 steps, as ProSparse does progressively), the token embedding (and the tied
 output) frozen. With --distill W the task loss is (1-W)·cross-entropy + W·KL(original ||
 model): the original model (its own activation), frozen, runs on the same batch as the teacher, which
-keeps the model close to it on text the corpus does not cover. Progress (step, loss, sparsity, tokens/s) goes to stderr, a checkpoint
+keeps the model close to it on text the corpus does not cover.
+
+With --layerwise-steps N a cheaper stage comes first (layerwise_distill): layer after
+layer, the relufied FFN is fitted by regression to the original's residual stream on
+corpus tokens, N steps each, so the end-to-end steps start from a model that is already
+close (on SmolLM2-135M the plain ReLU swap is at KL 5-6 nats from the original on unseen
+text; the fitted one, after 4 minutes, at about 2.5). --target-sparsity S replaces the
+fixed, ramped L1 coefficient with one steered (SparsityController) so that a share S of
+the activations is zero, in both stages. Progress (step, loss, sparsity, tokens/s) goes to stderr, a checkpoint
 is written every --checkpoint-every steps, and --resume continues from the last one.
 --check then compares the torch forward pass of the ORIGINAL model with our engine's
 logits on 32 corpus tokens (this catches RoPE/permutation layout errors).
@@ -45,7 +54,9 @@ from ..llama import Llama
 from .common import PipelineError, Progress, read_corpus, run_cli, same_file, tokenize_texts
 
 ACTS = ("silu", "relu", "drelu")
+ARCHS = ("llama", "qwen2")  # qwen2: llama with q/k/v biases and RoPE in NEOX mode (rotated halves)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_BIASES = ("attn_q", "attn_k", "attn_v")  # qwen2's, as blk.N.attn_q.bias ...
 
 
 def _torch():
@@ -57,11 +68,11 @@ def _torch():
 
 
 def llama_hparams(reader, path="model") -> Dict:
-    """Hyper-parameters of a llama-architecture GGUF (what relufy needs)."""
+    """Hyper-parameters of a llama- or qwen2-architecture GGUF (what relufy needs)."""
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise PipelineError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
-    hp = {"arch": arch}
+    if arch not in ARCHS:
+        raise PipelineError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    hp = {"arch": arch, "rope_neox": arch == "qwen2"}
     for k, key, default in (("n_embd", "embedding_length", None), ("n_layer", "block_count", None),
                             ("n_ff", "feed_forward_length", None), ("n_head", "attention.head_count", None),
                             ("n_head_kv", "attention.head_count_kv", None), ("eps", "attention.layer_norm_rms_epsilon", 1e-5),
@@ -87,6 +98,8 @@ def load_weights(model_path: str):
     w = {t.name: tensor_f32(t) for t in r.tensors}
     need = ["token_embd.weight", "output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(hp["n_layer"])
                                                           for n in _LAYER_TENSORS]
+    if hp["arch"] == "qwen2":
+        need += [f"blk.{i}.{n}.bias" for i in range(hp["n_layer"]) for n in _BIASES]
     missing = [n for n in need if n not in w]
     if missing:
         raise PipelineError(f"{model_path}: missing tensors {missing[:5]}" + (" ..." if len(missing) > 5 else "")
@@ -114,6 +127,8 @@ def build_model(hp: Dict, weights: Dict[str, np.ndarray], act: str = "silu", shi
             for i in range(hp["n_layer"]):
                 blk = nn.ParameterDict({n: nn.Parameter(torch.from_numpy(weights[f"blk.{i}.{n}.weight"].copy()))
                                         for n in _LAYER_TENSORS})
+                for n in _BIASES if hp["arch"] == "qwen2" else ():
+                    blk[n + "_bias"] = nn.Parameter(torch.from_numpy(weights[f"blk.{i}.{n}.bias"].copy()))
                 self.blocks.append(blk)
             hd = hp["n_embd"] // hp["n_head"]
             self.head_dim = hd
@@ -124,12 +139,20 @@ def build_model(hp: Dict, weights: Dict[str, np.ndarray], act: str = "silu", shi
             x32 = x.float()
             return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.hp["eps"])).to(x.dtype) * w
 
-        def _rope(self, x, cos, sin):  # x [B, H, T, hd]; ggml NORMAL mode rotates adjacent pairs
+        def _rope(self, x, cos, sin):  # x [B, H, T, hd]
             nr = self.hp["n_rot"]
             xr, xp = x[..., :nr], x[..., nr:]
-            e, o = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
+            if self.hp["rope_neox"]:  # ggml NEOX mode: dimension j pairs with j + n_rot/2
+                e, o = xr[..., : nr // 2], xr[..., nr // 2 :]
+                out = torch.cat((e * cos - o * sin, e * sin + o * cos), dim=-1)
+            else:  # ggml NORMAL mode rotates adjacent pairs
+                e, o = xr[..., 0::2], xr[..., 1::2]
+                out = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
             return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+
+        def _proj(self, blk, h, n):
+            y = h @ blk[n].t()
+            return y + blk[n + "_bias"] if n + "_bias" in blk else y
 
         def ffn_act(self, g, u):
             if self.act == "silu":
@@ -140,30 +163,44 @@ def build_model(hp: Dict, weights: Dict[str, np.ndarray], act: str = "silu", shi
             a = F.relu(g) if self.shift <= 0 else g * (g > self.shift)
             return a, a * u
 
-        def forward(self, tokens, collect: bool = False):
-            B, T = tokens.shape
-            H, Hkv, hd = self.hp["n_head"], self.hp["n_head_kv"], self.head_dim
-            x = self.tok_embd[tokens]
-            pos = torch.arange(T, dtype=torch.float32, device=tokens.device)
+        def rope_tables(self, T: int, device=None):
+            pos = torch.arange(T, dtype=torch.float32, device=device)
             ang = pos[:, None] * self.inv_freq[None, :]
-            cos, sin = ang.cos(), ang.sin()
+            return ang.cos(), ang.sin()
+
+        def attention(self, i: int, x, cos, sin):
+            """The residual stream after layer i's attention: x + attn(norm(x))."""
+            blk = self.blocks[i]
+            B, T = x.shape[:2]
+            H, Hkv, hd = self.hp["n_head"], self.hp["n_head_kv"], self.head_dim
+            h = self._norm(x, blk["attn_norm"])
+            q = self._proj(blk, h, "attn_q").view(B, T, H, hd).transpose(1, 2)
+            k = self._proj(blk, h, "attn_k").view(B, T, Hkv, hd).transpose(1, 2)
+            v = self._proj(blk, h, "attn_v").view(B, T, Hkv, hd).transpose(1, 2)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if Hkv != H:
+                k = k.repeat_interleave(H // Hkv, dim=1)
+                v = v.repeat_interleave(H // Hkv, dim=1)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + att.transpose(1, 2).reshape(*x.shape[:2], H * hd) @ blk["attn_output"].t()
+
+        def ffn(self, i: int, x):
+            """(activation [.., n_ff], FFN output [.., n_embd]) of layer i on the residual x."""
+            blk = self.blocks[i]
+            h = self._norm(x, blk["ffn_norm"])
+            a, y = self.ffn_act(h @ blk["ffn_gate"].t(), h @ blk["ffn_up"].t())
+            return a, y @ blk["ffn_down"].t()
+
+        def forward(self, tokens, collect: bool = False):
+            x = self.tok_embd[tokens]
+            cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
             acts = []
-            for blk in self.blocks:
-                h = self._norm(x, blk["attn_norm"])
-                q = (h @ blk["attn_q"].t()).view(B, T, H, hd).transpose(1, 2)
-                k = (h @ blk["attn_k"].t()).view(B, T, Hkv, hd).transpose(1, 2)
-                v = (h @ blk["attn_v"].t()).view(B, T, Hkv, hd).transpose(1, 2)
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-                if Hkv != H:
-                    k = k.repeat_interleave(H // Hkv, dim=1)
-                    v = v.repeat_interleave(H // Hkv, dim=1)
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + att.transpose(1, 2).reshape(B, T, H * hd) @ blk["attn_output"].t()
-                h = self._norm(x, blk["ffn_norm"])
-                a, y = self.ffn_act(h @ blk["ffn_gate"].t(), h @ blk["ffn_up"].t())
+            for i in range(len(self.blocks)):
+                x = self.attention(i, x, cos, sin)
+                a, y = self.ffn(i, x)
                 if collect:
                     acts.append(a)
-                x = x + y @ blk["ffn_down"].t()
+                x = x + y
             x = self._norm(x, self.output_norm)
             logits = x @ (self.output if self.output is not None else self.tok_embd).t()
             return logits, acts
@@ -197,9 +234,9 @@ def check_against_engine(model_path: str, tokens: Sequence[int], hp=None, weight
 
 
 def export_gguf(reader, model, out: str, outtype: str = "f16", progress: bool = True) -> None:
-    """Writes the fine-tuned weights as a standard llama GGUF with the input's keys."""
+    """Writes the fine-tuned weights as a standard GGUF of the input's architecture, with its keys."""
     act = model.act
-    w = new_writer(out, "llama")
+    w = new_writer(out, model.hp["arch"])
     copy_kv(reader, w, skip={"general.file_type", KEY_ACTIVATION, KEY_GATE_THRESHOLDS, KEY_THRESHOLD, KEY_THRESHOLDS})
     w.add_file_type(file_type(outtype))
     w.add_string(KEY_ACTIVATION, act)
@@ -213,11 +250,13 @@ def export_gguf(reader, model, out: str, outtype: str = "f16", progress: bool = 
     for i in range(model.hp["n_layer"]):
         for n in _LAYER_TENSORS:
             add_weight(w, f"blk.{i}.{n}.weight", sd[f"blocks.{i}.{n}"], outtype)
+        for n in _BIASES if model.hp["arch"] == "qwen2" else ():
+            add_weight(w, f"blk.{i}.{n}.bias", sd[f"blocks.{i}.{n}_bias"], outtype)
     finish(w, out, progress=progress)
 
 
-def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict) -> None:
-    state = {"step": step, "meta": meta, "opt": opt.state_dict(),
+def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict, lam: Optional[float] = None) -> None:
+    state = {"step": step, "meta": meta, "opt": opt.state_dict(), "lam": lam,
              "params": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
              "rng": torch.get_rng_state(), "np_rng": np.random.get_state()}
     tmp = path.with_suffix(".tmp")
@@ -229,11 +268,144 @@ def sparsity_of(acts) -> float:
     return float(np.mean([(a == 0).float().mean().item() for a in acts]))
 
 
+class SparsityController:
+    """Steers an L1 coefficient so that the measured share of zero activations reaches a
+    target: after each step, lam <- lam * exp(gain * (target - sparsity)), within
+    [lo, hi]. A target the model cannot reach at a small coefficient is reached at a larger
+    one, whatever the model's activation scale, so no coefficient is tuned per model."""
+
+    def __init__(self, target: float, lam: float, gain: float, lo: float = 1e-6, hi: float = 1e3):
+        if not 0.0 < target < 1.0:
+            raise PipelineError(f"--target-sparsity must be in (0, 1), not {target}")
+        self.target, self.lam, self.gain, self.lo, self.hi = float(target), float(lam), float(gain), lo, hi
+
+    def update(self, sparsity: float) -> float:
+        self.lam = min(self.hi, max(self.lo, self.lam * math.exp(self.gain * (self.target - sparsity))))
+        return self.lam
+
+
+def _cosine(lr: float, step: int, steps: int, warm: int) -> float:
+    return lr * min(1.0, (step + 1) / max(1, warm)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1))))
+
+
+def layerwise_distill(model, teacher, tokens: np.ndarray, *, steps: int, n_seq: int, seq_len: int,
+                      batch_tokens: int = 1024, lr: float = 3e-4, target_sparsity: Optional[float] = None,
+                      seed: int = 0, progress: bool = True) -> Dict:
+    """Local distillation, one layer after the other, before any end-to-end training.
+
+    The original (teacher) and the relufied model (student) run on the same N_SEQ x SEQ_LEN
+    corpus tokens. For layer i, the student's residual stream after its (unchanged)
+    attention is the FFN's input, and the teacher's residual stream after layer i the
+    target: the student's FFN (gate, up, down, ffn_norm) is fitted by regression to what
+    makes its residual equal the teacher's, so it also makes up for the drift that the
+    layers below left. Each token is one sample of a regression with n_embd targets (an
+    end-to-end step learns from one next-token distribution per token), and a step
+    computes one FFN instead of the whole model, which is why this stage costs minutes.
+    Loss: squared error over the target's mean square (scale-free across layers) plus
+    lam * mean|act| / (its value before training); with TARGET_SPARSITY lam is steered so
+    the share of zero activations reaches it. Returns the per-layer numbers."""
+    torch = _torch()
+    n_layer, d = model.hp["n_layer"], model.hp["n_embd"]
+    rng = np.random.default_rng(seed + 7919)
+    starts = rng.integers(0, len(tokens) - seq_len, size=n_seq)
+    seqs = torch.from_numpy(np.stack([tokens[s : s + seq_len] for s in starts]).astype(np.int64))
+    cos, sin = model.rope_tables(seq_len)
+    chunk = max(1, 16384 // seq_len)  # sequences per no-grad forward (bounds attention's memory)
+    gen = torch.Generator().manual_seed(seed + 104729)
+    with torch.no_grad():
+        x_t = model.tok_embd[seqs].float()
+        x_s = x_t.clone()
+    layers = []
+    bar = Progress("relufy layerwise", n_layer * steps, progress and steps > 0)
+    t0 = time.time()
+    for i in range(n_layer):
+        with torch.no_grad():
+            y_t = torch.empty_like(x_t)
+            a_s = torch.empty_like(x_s)
+            for c in range(0, n_seq, chunk):
+                u = teacher.attention(i, x_t[c : c + chunk], cos, sin)
+                y_t[c : c + chunk] = u + teacher.ffn(i, u)[1]
+                a_s[c : c + chunk] = model.attention(i, x_s[c : c + chunk], cos, sin)
+            inp = a_s.reshape(-1, d)
+            target = (y_t - a_s).reshape(-1, d)
+            denom = target.pow(2).mean().clamp_min(1e-20)
+            probe = inp[:: max(1, len(inp) // 4096)]
+            a0, y0 = model.ffn(i, probe)
+            act_scale = a0.abs().mean().clamp_min(1e-20)
+            mse_before = float((y0 - target[:: max(1, len(inp) // 4096)]).pow(2).mean() / denom)
+            sp_before = float((a0 == 0).float().mean())
+        blk = model.blocks[i]
+        params = [blk[n] for n in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+        ctl = SparsityController(target_sparsity, 0.02, 0.3, hi=3.0) if target_sparsity is not None else None
+        lam = ctl.lam if ctl else 0.0
+        sp = sp_before
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = _cosine(lr, step, steps, max(1, steps // 20))
+            idx = torch.randint(0, len(inp), (batch_tokens,), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                a, y = model.ffn(i, inp[idx])
+                mse = (y.float() - target[idx]).pow(2).mean() / denom
+                l1 = a.float().abs().mean() / act_scale
+                loss = mse + lam * l1
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sp = float((a == 0).float().mean())
+            if ctl:
+                lam = ctl.update(sp)
+            bar.update(i * steps + step + 1, f"layer {i}: mse {mse.item():.4f} (from {mse_before:.4f}) "
+                       f"sparsity {sp:.1%} lam {lam:.3g} {time.time() - t0:.0f} s")
+        with torch.no_grad():
+            for c in range(0, n_seq, chunk):
+                x_s[c : c + chunk] = a_s[c : c + chunk] + model.ffn(i, a_s[c : c + chunk])[1]
+            x_t = y_t
+            a1, y1 = model.ffn(i, probe)
+            mse_after = float((y1 - target[:: max(1, len(inp) // 4096)]).pow(2).mean() / denom)
+            drift = float((x_s - x_t).pow(2).mean() / x_t.pow(2).mean().clamp_min(1e-20))
+        layers.append({"layer": i, "mse_before": mse_before, "mse_after": mse_after, "sparsity_before": sp_before,
+                       "sparsity_after": float((a1 == 0).float().mean()), "lambda": lam, "residual_drift": drift})
+        for p in params:
+            p.grad = None
+    bar.close()
+    return {"steps_per_layer": steps, "n_seq": n_seq, "seq_len": seq_len, "batch_tokens": batch_tokens, "lr": lr,
+            "target_sparsity": target_sparsity, "wall_s": time.time() - t0, "layers": layers}
+
+
+def _layerwise_stage(torch, model, teacher, tokens, lw_meta: Dict, checkpoint_dir: Optional[str], progress: bool) -> Dict:
+    """Runs layerwise_distill, or loads its result from CHECKPOINT_DIR/relufy-layerwise.pt when
+    that was made with the same settings (the stage is deterministic given them)."""
+    path = Path(checkpoint_dir) / "relufy-layerwise.pt" if checkpoint_dir else None
+    names = [f"blocks.{i}.{n}" for i in range(model.hp["n_layer"]) for n in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+    named = dict(model.named_parameters())
+    if path is not None and path.is_file():
+        state = torch.load(path, weights_only=False)
+        if state.get("meta") == lw_meta:
+            with torch.no_grad():
+                for k in names:
+                    named[k].copy_(state["params"][k])
+            print(f"relufy: layerwise stage loaded from {path}", file=sys.stderr)
+            return dict(state["report"], loaded_from=str(path))
+    rep = layerwise_distill(model, teacher, tokens, steps=lw_meta["steps"], n_seq=lw_meta["n_seq"],
+                            seq_len=lw_meta["seq_len"], lr=lw_meta["lr"], target_sparsity=lw_meta["target_sparsity"],
+                            seed=lw_meta["seed"], progress=progress)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"meta": lw_meta, "report": rep, "params": {k: named[k].detach().clone() for k in names}}, tmp)
+        os.replace(tmp, path)
+    return rep
+
+
 def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", l1: float = 1e-2,
            shift: float = 0.0, steps: int = 200, seq_len: int = 256, batch: int = 4, lr: float = 2e-4,
            outtype: str = "f16", checkpoint_dir: Optional[str] = None, checkpoint_every: int = 50,
            resume: bool = False, n_tokens: Optional[int] = None, seed: int = 0, threads: int = 0,
-           progress: bool = True, check: bool = False, distill: float = 0.0, temperature: float = 1.0) -> Dict:
+           progress: bool = True, check: bool = False, distill: float = 0.0, temperature: float = 1.0,
+           layerwise_steps: int = 0, layerwise_seqs: int = 128, layerwise_lr: float = 3e-4,
+           target_sparsity: Optional[float] = None) -> Dict:
     torch = _torch()
     if act not in ("relu", "drelu"):
         raise PipelineError(f"--act must be relu or drelu, not {act!r}")
@@ -245,6 +417,10 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         raise PipelineError("--steps must be >= 0, --seq-len >= 2, --batch >= 1")
     if not 0.0 <= distill <= 1.0 or not temperature > 0:
         raise PipelineError("--distill must be in [0, 1] and --temperature > 0")
+    if layerwise_steps < 0 or layerwise_seqs < 1 or not layerwise_lr > 0:
+        raise PipelineError("--layerwise-steps must be >= 0, --layerwise-seqs >= 1 and --layerwise-lr > 0")
+    if target_sparsity is not None and not 0.0 < target_sparsity < 1.0:
+        raise PipelineError(f"--target-sparsity must be in (0, 1), not {target_sparsity}")
     if threads > 0:
         torch.set_num_threads(threads)
     hp, weights, reader = load_weights(model_path)
@@ -259,7 +435,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     # The teacher: the original model, frozen (distillation keeps the student close to it on
     # any text, not only on what the corpus covers).
     teacher = None
-    if distill > 0:
+    if distill > 0 or layerwise_steps > 0:
         teacher = build_model(hp, weights, act=hp["activation"] if hp["activation"] in ACTS else "silu")
         teacher.eval()
         for q in teacher.parameters():
@@ -270,8 +446,21 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     meta = {"model": os.path.abspath(model_path), "act": act, "shift": shift, "seq_len": seq_len, "batch": batch}
     if distill > 0:  # only then, so that checkpoints made before distillation existed still resume
         meta.update(distill=distill, temperature=temperature)
+    lw_meta = None
+    if layerwise_steps > 0:
+        lw_meta = {"model": meta["model"], "act": act, "shift": shift, "steps": layerwise_steps, "n_seq": layerwise_seqs,
+                   "seq_len": seq_len, "lr": layerwise_lr, "target_sparsity": target_sparsity, "seed": seed,
+                   "n_corpus_tokens": int(len(tokens))}
+        meta["layerwise"] = lw_meta
+    if target_sparsity is not None:
+        meta["target_sparsity"] = target_sparsity
     ckpt = Path(checkpoint_dir) / "relufy-checkpoint.pt" if checkpoint_dir else None
     start = 0
+    lam_state = None
+    if lw_meta is not None and not resume:
+        report["layerwise"] = _layerwise_stage(torch, model, teacher, tokens, lw_meta, checkpoint_dir, progress)
+        if distill <= 0:
+            teacher = None  # needed no further
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise PipelineError(f"--resume: no checkpoint in {checkpoint_dir!r}")
@@ -286,13 +475,26 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         torch.set_rng_state(state["rng"])
         np.random.set_state(state["np_rng"])
         start = int(state["step"])
+        lam_state = state.get("lam")
         print(f"relufy: resumed at step {start}", file=sys.stderr)
+        lw_path = Path(checkpoint_dir) / "relufy-layerwise.pt"
+        if lw_meta is not None and lw_path.is_file():  # the stage this run's start came from, for the report
+            lw_state = torch.load(lw_path, weights_only=False)
+            if lw_state.get("meta") == lw_meta:
+                report["layerwise"] = dict(lw_state["report"], loaded_from=str(lw_path))
+        if lw_meta is not None and teacher is not None and distill <= 0:
+            teacher = None
     if ckpt is not None:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
     warm = max(1, steps // 20)
 
     def lr_at(s):
-        return lr * min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(steps, 1))))
+        return _cosine(lr, s, steps, warm)
+
+    # With a target sparsity the L1 coefficient starts at --l1 and is steered towards it;
+    # without, it ramps up to --l1 over the first quarter of the steps (ProSparse).
+    ctl = SparsityController(target_sparsity, lam_state if lam_state is not None else l1, 0.2) \
+        if target_sparsity is not None else None
 
     t0 = time.time()
     bar = Progress("relufy", steps - start, progress and steps > start)
@@ -303,7 +505,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     for step in range(start, steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        lam = l1 * min(1.0, step / max(1, steps // 4))  # progressive L1 (ProSparse)
+        lam = ctl.lam if ctl else l1 * min(1.0, step / max(1, steps // 4))  # progressive L1 (ProSparse)
         starts = np.random.randint(0, len(tokens) - seq_len - 1, size=batch)
         xb = torch.stack([tok_t[s : s + seq_len + 1] for s in starts])
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -329,12 +531,14 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         opt.step()
         seen += batch * seq_len
         sp = sparsity_of(acts)
+        if ctl:
+            ctl.update(sp)
         hist.append((float(ce.detach()), sp, float(kl.detach()) if teacher is not None else None))
         bar.update(step + 1 - start, f"step {step + 1}: loss {loss.item():.3f} ce {ce.item():.3f} "
                    + (f"kl {kl.item():.3f} " if teacher is not None else "") +
-                   f"l1 {l1_term.item():.3f} sparsity {sp:.1%} {seen / (time.time() - t0):.0f} tok/s")
+                   f"l1 {l1_term.item():.3f} lam {lam:.3g} sparsity {sp:.1%} {seen / (time.time() - t0):.0f} tok/s")
         if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            _save_checkpoint(torch, ckpt, model, opt, step + 1, meta)
+            _save_checkpoint(torch, ckpt, model, opt, step + 1, meta, lam=ctl.lam if ctl else None)
     bar.close()
     model.eval()
     wall = time.time() - t0
@@ -384,13 +588,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="distill from the original: loss = (1-W) * cross-entropy + W * KL(original || model) "
                         "(default 0: cross-entropy only)")
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
+    p.add_argument("--layerwise-steps", type=int, default=0, metavar="N",
+                   help="first fit each layer's relufied FFN to the original's residual stream, layer by layer, "
+                        "N steps each (default 0: no such stage)")
+    p.add_argument("--layerwise-seqs", type=int, default=128, help="sequences of --seq-len tokens that stage fits on")
+    p.add_argument("--layerwise-lr", type=float, default=3e-4, help="that stage's learning rate (default 3e-4)")
+    p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
+                   help="steer the L1 coefficient (starting from --l1) so that a share S of the FFN activations "
+                        "is zero, in both stages (default: a fixed --l1, ramped up)")
 
     def run(argv):
         a = p.parse_args(argv)
         rep = relufy(a.model, a.corpus, a.out, act=a.act, l1=a.l1, shift=a.fatrelu_shift, steps=a.steps,
                      seq_len=a.seq_len, batch=a.batch, lr=a.lr, outtype=a.outtype, checkpoint_dir=a.checkpoint_dir,
                      checkpoint_every=a.checkpoint_every, resume=a.resume, n_tokens=a.n_tokens, seed=a.seed,
-                     threads=a.threads, check=a.check, distill=a.distill, temperature=a.temperature)
+                     threads=a.threads, check=a.check, distill=a.distill, temperature=a.temperature,
+                     layerwise_steps=a.layerwise_steps, layerwise_seqs=a.layerwise_seqs, layerwise_lr=a.layerwise_lr,
+                     target_sparsity=a.target_sparsity)
         if a.report:
             Path(a.report).write_text(json.dumps(rep, indent=1))
         print(json.dumps(rep, indent=1))
