@@ -314,8 +314,9 @@ class ParallelLlama:
     def _groups(self, pending: List[_Request]) -> List[List[_Request]]:
         """The batches of one engine pass, in arrival order, one-token steps first. With a
         sparse model a batch holds at most sparse_max_batch tokens (above it the dense FFN
-        would run) and a longer request is computed alone, so every request takes the FFN
-        path it takes alone; a dense model computes the whole queue at once."""
+        would run), and a longer request, or one holding its sequence's first token (which
+        the core computes with every neuron), is computed alone, so every request takes the
+        FFN path it takes alone; a dense model computes the whole queue at once."""
         if self._dense:
             return [pending]
         limit = self._sparse_max_batch
@@ -323,7 +324,7 @@ class ParallelLlama:
         current: List[_Request] = []
         n = 0
         for r in sorted(pending, key=lambda r: len(r.tokens) > 1):  # stable: steps, then prompts
-            if len(r.tokens) > limit:
+            if len(r.tokens) > limit or r.pos == 0:
                 groups.append([r])
                 continue
             if n + len(r.tokens) > limit:

@@ -202,7 +202,8 @@ def test_sparse_batch_uses_each_tokens_own_neurons(tiny_pwri, mode):
     with Model(tiny_pwri, sparse_mode=mode_id) as model:
         alone, together = _alone_and_together(model, prompts, 6)
         with _ctx(model, n_ctx=1024) as c:  # sparse steps count active neurons
-            c.decode_batch([1, 5], [0, 1], [True, True])
+            c.decode_batch([1, 5], [0, 1], [True, True])  # first tokens: every neuron
+            c.decode_batch([7, 8], [0, 1], [True, True])
             n_active, n_total = c.sparse_stats(0)
             assert 0 < n_active < n_total
     for s in range(4):

@@ -84,10 +84,13 @@ class Engine:
             assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, len(toks) + len(out) - 1, False) == 0
         return out, np.array(logits)
 
-    def logits_along(self, tokens):
-        """Logits after each of tokens, decoded one at a time (the sparse path)."""
+    def logits_along(self, tokens, count_from=0):
+        """Logits after each of tokens, decoded one at a time (the sparse path from the
+        second token on). The active-neuron counters start at position COUNT_FROM."""
         out = []
         for pos, t in enumerate(tokens):
+            if pos == count_from:
+                lib.powerinfer_reset_timings(self.ctx)
             assert lib.powerinfer_decode(self.ctx, ffi.new("int32_t[]", [t]), 1, pos, False) == 0, _error()
             out.append(self._logits())
         return np.array(out)
@@ -308,7 +311,8 @@ def test_wrong_predictor_matches_masked_reference(tiny, tmp_path):
     """A predictor that is wrong on purpose: fc2 row i = s_i * ones with random signs s_i, so
     neuron i is predicted active (logit = s_i * sum(relu(fc1 . x)) >= 0) for every token
     when s_i = +1 and never otherwise, whatever it would really do. Predictor mode must
-    equal the model with exactly that mask on its FFN, not the dense model."""
+    equal the model with exactly that mask on its FFN, not the dense model, from the
+    second token on: a sequence's first token takes every neuron."""
     from numpy_llama import forward, read_f32_model
 
     rng = np.random.default_rng(5)
@@ -317,15 +321,21 @@ def test_wrong_predictor_matches_masked_reference(tiny, tmp_path):
     path = _with_fc2(tiny["tiny"]["powerinfer"], tmp_path, lambda il, shape: signs[il][:, None] * np.ones(shape))
     tensors, hp = read_f32_model(path, tmp_path)
     tokens = _tokens(tiny["tiny"]["powerinfer"])
-    masked = forward(tensors, hp, tokens, lambda il, x_res: (signs[il] > 0)[None, :].astype(np.float64))
+    def mask(il, x_res):
+        m = np.tile((signs[il] > 0).astype(np.float64), (len(x_res), 1))
+        m[0] = 1.0  # position 0: dense
+        return m
+
+    masked = forward(tensors, hp, tokens, mask)
     dense = forward(tensors, hp, tokens)
     e = Engine(path, "predictor")
-    got = e.logits_along(tokens)
+    got = e.logits_along(tokens, count_from=1)  # the mask's share, over the sparse steps
     frac = e.active_fraction()
     e.close()
     scale = np.abs(masked).max()
     assert np.abs(got - masked).max() <= TOL["tiny"] * scale
     assert np.abs(dense - masked).max() > 100 * TOL["tiny"] * scale  # the mask matters
+    assert np.abs(got[0] - dense[0]).max() <= TOL["tiny"] * scale  # the first token is dense
     np.testing.assert_allclose(frac, [np.mean(signs[il] > 0) for il in sorted(signs)])
 
 
@@ -339,7 +349,7 @@ def test_predictor_ties_are_computed(tiny, tmp_path):
     dense = e.logits_along(tokens)
     e.close()
     e = Engine(path, "predictor")
-    got = e.logits_along(tokens)
+    got = e.logits_along(tokens, count_from=1)
     frac = e.active_fraction()
     e.close()
     assert np.all(frac == 1.0), frac

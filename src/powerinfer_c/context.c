@@ -436,6 +436,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .sparse     = ctx->sparse,
         .capture    = ctx->capture.enabled,
     };
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        gp.first_token |= ub->pos[i] == 0;
+    }
     // The graph depends on the shapes only (positions and cache cells are inputs), so
     // the previous one is reused, already allocated, while they stay the same.
     struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
@@ -450,7 +453,8 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
             return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
         }
-    } else if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs) {
+    } else if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs &&
+               ctx->last.first_token == gp.first_token) {
         gf = ctx->last.gf;
         in = ctx->last.in;
     } else {
@@ -466,6 +470,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         ctx->last.n_tokens  = n_tokens;
         ctx->last.n_kv      = gp.n_kv;
         ctx->last.n_outputs = n_outputs;
+        ctx->last.first_token = gp.first_token;
         ctx->last.gf        = gf;
         ctx->last.in        = in;
     }

@@ -124,7 +124,13 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     const struct pi_layer * l = &model->layers[il];
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int32_t mode = model->hp.sparse_mode;
-    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture;
+    // A sequence's first token takes every neuron: there the model builds the outsized
+    // residual values its later tokens' attention leans on (the attention sink), through
+    // neurons that fire almost only there, so a predictor trained on ordinary positions
+    // misses them and the whole sequence derails (ReLU-SmolLM2: a passage whose first
+    // token was a tab lost 3.9 nats per token in predictor mode). One dense step per sequence.
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture &&
+                        !gp->first_token;
 
     if (model->offload.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {
         return build_ffn_hybrid(ctx, model, il, x, x_res, stat, sparse);

@@ -338,6 +338,7 @@ struct pi_graph_params {
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
     bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
+    bool    first_token; // the chunk holds a sequence's position 0: every FFN neuron (see build_ffn)
 };
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
@@ -386,6 +387,7 @@ struct powerinfer_context {
     struct {
         bool                   valid;
         int32_t                n_tokens, n_kv, n_outputs;
+        bool                   first_token;
         struct ggml_cgraph *   gf;
         struct pi_graph_inputs in;
     } last;
