@@ -85,7 +85,7 @@ def test_relu_smollm2_walk(smollm2_path, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(p.read_text() for p in [REPO_DIR / "README.md", *sorted((REPO_DIR / "docs").glob("*.md"))]))
     work = tmp_path / "work"
-    knobs = dict(STEPS="2", STEPS2="0", SEQ_LEN="32", BATCH="1", N_PROFILE="256", N_HELDOUT="256", SAMPLES="200",
+    knobs = dict(STEPS="2", STEPS2="0", LAYERWISE_STEPS="2", LAYERWISE_SEQS="2", SEQ_LEN="32", BATCH="1", N_PROFILE="256", N_HELDOUT="256", SAMPLES="200",
                  RANK="32", MIN_STEPS="20", OUTTYPE="f16", N_EVAL="16", N_PASSAGES="1", CARD_PASSAGES="1",
                  CARD_TOKENS="16", CARD_GEN="4", CARD_PROMPT="24", CORPUS=str(corpus), WORK=str(work))
     out = _run(["bash", EXAMPLES / "relu_smollm2" / "make_relu_smollm2.sh", smollm2_path], knobs)
@@ -93,8 +93,11 @@ def test_relu_smollm2_walk(smollm2_path, tmp_path):
     assert (work / "ReLU-SmolLM2-135M.powerinfer.gguf").is_file()
     report = (work / "report.md").read_text()
     assert "ReLU-SmolLM2 predictor" in report and "Predictor recall per layer" in report
-    # relufy distilled from the original (the default), and the walk ends with the card
-    assert json.loads((work / "relufy.json").read_text())["distill"] == 0.5
+    # relufy fitted layer by layer, then distilled from the original (the defaults), steering
+    # its L1 coefficient to the target sparsity, and the walk ends with the card
+    relufy = json.loads((work / "relufy.json").read_text())
+    assert relufy["distill"] == 1.0 and len(relufy["layerwise"]["layers"]) == 30
+    assert relufy["layerwise"]["target_sparsity"] == 0.85
     card = json.loads((work / "card.json").read_text())
     assert card["modes"] == ["dense", "gate", "predictor"] and list(card["quality"]) == ["heldout"]
     assert set(card["quality"]["heldout"]) == {"reference", "dense", "gate", "predictor"}

@@ -4,7 +4,8 @@
 # card (powerinfer eval: per held-out domain perplexity, KL and top-1 agreement against the
 # original, sparsity and recall on that text, speed against llama-cpp-python): the whole
 # offline pipeline, one `powerinfer` subcommand per step:
-#   relufy (distilled from the original) -> profile -> train-predictor -> convert -> report, card.
+#   relufy (layer by layer, then end to end, distilled from the original) -> profile ->
+#   train-predictor -> convert -> report, card.
 #
 #   examples/relu_smollm2/make_relu_smollm2.sh [MODEL.gguf]
 #
@@ -16,20 +17,25 @@
 # Everything goes to $WORK (default: <models cache>/relu-smollm2); nothing into the repo.
 # Rerunning resumes relufy from its checkpoint when the step count is unchanged.
 #
-# Environment: DISTILL (weight of KL to the original in relufy's loss, default 0.5; 0: the
-# corpus's cross-entropy only), TEMPERATURE (1),
-# STEPS (relufy steps, default 200), STEPS2 (a second phase with L1_2 up to
-# this step, 300; <= STEPS: none), THREADS (torch threads for relufy, default 1: on a 2-core
-# machine shared with other work, 2 OpenMP threads stall each other badly), SEQ_LEN (256),
-# BATCH (4), L1 (0.015), L1_2 (0.005), LR (5e-4), N_PROFILE (corpus tokens profiled, 24576),
+# Environment: LAYERWISE_STEPS (relufy's first stage: steps per layer fitting each relufied
+# FFN to the original's residual stream, default 100; 0: none), LAYERWISE_SEQS (sequences
+# it fits on, 64), LAYERWISE_LR (5e-4), TARGET_SPARSITY (the share of zero activations
+# both stages steer their L1 coefficient to, default 0.85; empty: a fixed L1, ramped),
+# DISTILL (weight of KL to the original in relufy's end-to-end loss, default 1: KL only;
+# 0: the corpus's cross-entropy only), TEMPERATURE (1),
+# STEPS (end-to-end relufy steps, default 300), STEPS2 (a second phase with L1_2 up to
+# this step, default 0: none), THREADS (torch threads for relufy, default 2; on a 2-core
+# machine shared with other work use 1: 2 OpenMP threads stall each other badly), SEQ_LEN (256),
+# BATCH (4), L1 (the starting L1 coefficient, 0.005), L1_2 (0.004), LR (5e-4), N_PROFILE (corpus tokens profiled, 24576),
 # N_HELDOUT (held-out tokens profiled for the sparsity table, 4096), SAMPLES (predictor
-# pairs, 12000), RECALL (target recall, 0.95), RANK (one predictor rank for every layer;
+# pairs, 12000), RECALL (target recall, 0.98), RANK (one predictor rank for every layer;
 # default: by the parameter budget), MIN_STEPS (predictor training steps per layer at least,
 # 300), OUTTYPE (q8_0), N_EVAL (tokens per held-out passage, 200), N_PASSAGES (held-out
 # passages, 4), CARD_PASSAGES (passages per held-out domain in the card, 8), CARD_TOKENS
 # (tokens per passage, 256), CARD_GEN (decode steps timed, 64), CARD_PROMPT (prompt timed,
 # 128), CORPUS, WORK.
-# A tiny run of the whole walk (tests/test_examples.py): STEPS=2 STEPS2=0 SEQ_LEN=32 BATCH=1
+# A tiny run of the whole walk (tests/test_examples.py): STEPS=2 STEPS2=0 LAYERWISE_STEPS=2
+# LAYERWISE_SEQS=2 SEQ_LEN=32 BATCH=1
 # N_PROFILE=256 N_HELDOUT=256 SAMPLES=200 RANK=32 MIN_STEPS=20 OUTTYPE=f16 N_EVAL=16
 # N_PASSAGES=1 CARD_PASSAGES=1 CARD_TOKENS=16 CARD_GEN=4 CARD_PROMPT=24 CORPUS=...
 set -euo pipefail
@@ -38,14 +44,18 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 PY=$ROOT/.venv/bin/python
 [ -x "$PY" ] || ./scripts/setup.sh
-STEPS=${STEPS:-200} STEPS2=${STEPS2:-300} THREADS=${THREADS:-1} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
-L1=${L1:-0.015} L1_2=${L1_2:-0.005} LR=${LR:-5e-4}
-N_PROFILE=${N_PROFILE:-24576} N_HELDOUT=${N_HELDOUT:-4096} SAMPLES=${SAMPLES:-12000} RECALL=${RECALL:-0.95}
-OUTTYPE=${OUTTYPE:-q8_0} MIN_STEPS=${MIN_STEPS:-300} DISTILL=${DISTILL:-0.5} TEMPERATURE=${TEMPERATURE:-1}
+STEPS=${STEPS:-300} STEPS2=${STEPS2:-0} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
+L1=${L1:-0.005} L1_2=${L1_2:-0.004} LR=${LR:-5e-4}
+LAYERWISE_STEPS=${LAYERWISE_STEPS:-100} LAYERWISE_SEQS=${LAYERWISE_SEQS:-64} LAYERWISE_LR=${LAYERWISE_LR:-5e-4}
+TARGET_SPARSITY=${TARGET_SPARSITY-0.85}
+N_PROFILE=${N_PROFILE:-24576} N_HELDOUT=${N_HELDOUT:-4096} SAMPLES=${SAMPLES:-12000} RECALL=${RECALL:-0.98}
+OUTTYPE=${OUTTYPE:-q8_0} MIN_STEPS=${MIN_STEPS:-300} DISTILL=${DISTILL:-1} TEMPERATURE=${TEMPERATURE:-1}
 CARD_PASSAGES=${CARD_PASSAGES:-8} CARD_TOKENS=${CARD_TOKENS:-256} CARD_GEN=${CARD_GEN:-64} CARD_PROMPT=${CARD_PROMPT:-128}
 export N_EVAL=${N_EVAL:-200} N_PASSAGES=${N_PASSAGES:-4}
 RANK_ARGS=()
 [ -n "${RANK:-}" ] && RANK_ARGS=(--rank "$RANK")
+SPARSITY_ARGS=()
+[ -n "$TARGET_SPARSITY" ] && SPARSITY_ARGS=(--target-sparsity "$TARGET_SPARSITY")
 
 if [ -z "${CORPUS:-}" ]; then
     if ! command -v bible >/dev/null || [ ! -f /usr/lib/bible.data ]; then
@@ -73,11 +83,12 @@ relufy_phase() {  # steps l1 report [--resume]
     powerinfer relufy "$ORIG" --corpus "$WORK/corpus/train.txt" \
         --out "$WORK/relu-smollm2.gguf" --act relu --l1 "$2" --lr "$LR" --steps "$1" --seq-len "$SEQ_LEN" \
         --batch "$BATCH" --outtype f16 --checkpoint-dir "$WORK/ckpt" --checkpoint-every 25 --threads "$THREADS" \
-        --distill "$DISTILL" --temperature "$TEMPERATURE" --report "$3" "${@:4}"
+        --distill "$DISTILL" --temperature "$TEMPERATURE" --layerwise-steps "$LAYERWISE_STEPS" \
+        --layerwise-seqs "$LAYERWISE_SEQS" --layerwise-lr "$LAYERWISE_LR" "${SPARSITY_ARGS[@]}" --report "$3" "${@:4}"
 }
 # A checkpoint resumes only under the settings that made it (relufy refuses others); one
 # made with other settings is moved aside.
-SETTINGS="$ORIG|$DISTILL|$TEMPERATURE|$SEQ_LEN|$BATCH|$(cksum < "$WORK/corpus/train.txt")"
+SETTINGS="$ORIG|$DISTILL|$TEMPERATURE|$SEQ_LEN|$BATCH|$LAYERWISE_STEPS|$LAYERWISE_SEQS|$LAYERWISE_LR|$TARGET_SPARSITY|$(cksum < "$WORK/corpus/train.txt")"
 RESUME=()
 if [ -f "$WORK/ckpt/relufy-checkpoint.pt" ]; then
     if [ "$(cat "$WORK/ckpt/settings" 2>/dev/null)" = "$SETTINGS" ]; then
