@@ -184,14 +184,10 @@ def test_profile_train_convert_generate(tiny, capsys):
         logit = np.maximum(x_res @ fc1.T, 0) @ fc2.T
         margins.append(np.abs(logit - thresholds[il]).min())
         mask = logit >= thresholds[il]
-        counted = mask.copy()
-        if il < hp["n_layer"] - 1:
-            # docs/formats.md: a batch of up to sparse_max_batch tokens takes the sparse path,
-            # reading the union of its tokens' active neurons (what the counters count), each
-            # token using only its own; the last layer computes the batch's last row only
-            # (the only one whose logits are read)
-            counted[:n_prompt] = mask[:n_prompt].any(axis=0)
-        expected.append((int(counted[n_prompt - 1 :].sum()), counted[n_prompt - 1 :].size))
+        # docs/formats.md: the prompt's batch holds position 0, so it takes every neuron;
+        # each later token is one sparse decode, whose counters count what the mask selects
+        mask[:n_prompt] = True
+        expected.append((int(mask[n_prompt:].sum()), mask[n_prompt:].size))
         return mask.astype(np.float64)
 
     llm = _llama(f32, sparse_mode="predictor")
@@ -207,10 +203,15 @@ def test_profile_train_convert_generate(tiny, capsys):
     # the mask matters: computing every neuron would be far outside the tolerance
     assert np.abs(dense_ref - masked)[n_prompt - 1 :].max() > 100 * TOL_F32 * np.abs(masked).max()
     # The engine computed exactly the neurons the reference selects in every decode of both
-    # runs (create_completion's and generate()'s; the batch counts once). No predictor logit
-    # of the reference lies within float32 reach of its threshold.
+    # runs (create_completion's and generate()'s), beside what the dense prompt batch counts
+    # (measured alone). No predictor logit of the reference lies within float32 reach of its
+    # threshold.
     assert min(margins) > 1e-5, min(margins)
-    assert engine_counts == [(2 * a, 2 * c) for a, c in expected]
+    alone = _llama(f32, sparse_mode="predictor")
+    alone.eval(prompt)
+    prompt_counts = [alone._ctx.sparse_stats(il) for il in range(2)]
+    assert [(a - 2 * pa, c - 2 * pc) for (a, c), (pa, pc) in zip(engine_counts, prompt_counts)] == \
+        [(2 * a, 2 * c) for a, c in expected]
 
     # The Q8_0 file (8-bit weights, and activations rounded to 8 bits before each product)
     # follows the predictor's mask too: its logits along the same tokens are much closer to
