@@ -623,9 +623,12 @@ def report(work: str, original: str) -> None:
     phases = [json.loads(p.read_text()) for p in (w / "relufy-1.json", w / "relufy.json") if p.is_file()]
     if len(phases) == 2 and phases[0] == phases[1]:
         phases = phases[:1]
+    # a phase resumed at its own last step trained nothing (a rerun with a second phase)
+    phases = [r for r in phases if r.get("tokens_trained")] or phases[-1:]
     lines = ["# ReLU-SmolLM2-135M report", "",
              "relufy: " + "; ".join(f"steps {r['start_step']}-{r['steps']}: {r['tokens_trained']} tokens, "
-                                    f"{r['train_wall_s'] / 60:.1f} min, final sparsity {r['final_sparsity']:.1%}"
+                                    f"{r['train_wall_s'] / 60:.1f} min, final sparsity "
+                                    + (f"{r['final_sparsity']:.1%}" if r.get("final_sparsity") is not None else "-")
                                     for r in phases)
              + f". Torch-vs-engine check of the original: {json.dumps(relufy_rep.get('check_original'))}", "",
              f"## Activation sparsity per layer (held-out text, {prof['n_tokens']} tokens)", "",
