@@ -23,8 +23,9 @@
 # both stages steer their L1 coefficient to, default 0.85; empty: a fixed L1, ramped),
 # DISTILL (weight of KL to the original in relufy's end-to-end loss, default 1: KL only;
 # 0: the corpus's cross-entropy only), TEMPERATURE (1),
-# STEPS (end-to-end relufy steps, default 300), STEPS2 (a second phase with L1_2 up to
-# this step, default 0: none), THREADS (torch threads for relufy, default 2; on a 2-core
+# STEPS (end-to-end relufy steps, default 300), STEPS2 (a second phase, resumed from the
+# first, up to this step, default 600; its L1 coefficient starts at L1_2, or with
+# TARGET_SPARSITY where the first phase left it; <= STEPS: none), THREADS (torch threads for relufy, default 2; on a 2-core
 # machine shared with other work use 1: 2 OpenMP threads stall each other badly), SEQ_LEN (256),
 # BATCH (4), L1 (the starting L1 coefficient, 0.005), L1_2 (0.004), LR (5e-4), N_PROFILE (corpus tokens profiled, 24576),
 # N_HELDOUT (held-out tokens profiled for the sparsity table, 4096), SAMPLES (predictor
@@ -44,7 +45,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 PY=$ROOT/.venv/bin/python
 [ -x "$PY" ] || ./scripts/setup.sh
-STEPS=${STEPS:-300} STEPS2=${STEPS2:-0} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
+STEPS=${STEPS:-300} STEPS2=${STEPS2:-600} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
 L1=${L1:-0.005} L1_2=${L1_2:-0.004} LR=${LR:-5e-4}
 LAYERWISE_STEPS=${LAYERWISE_STEPS:-100} LAYERWISE_SEQS=${LAYERWISE_SEQS:-64} LAYERWISE_LR=${LAYERWISE_LR:-5e-4}
 TARGET_SPARSITY=${TARGET_SPARSITY-0.85}
