@@ -528,6 +528,11 @@ def test_relufy_layerwise_stage(tiny, tmp_path):
     assert again["loaded_from"] == str(ck / "relufy-layerwise.pt")
     assert out2.read_bytes() == out.read_bytes()
     assert "loaded_from" not in run(out2, "--target-sparsity", "0.7")
+    # an end-to-end run started from the stage keeps its numbers in the checkpoint, so a
+    # resumed run still reports the stage it came from
+    first = run(out2, "--target-sparsity", "0.7", "--steps", "1", "--batch", "1")
+    resumed = run(out2, "--target-sparsity", "0.7", "--steps", "2", "--batch", "1", "--resume")
+    assert resumed["layers"] == first["layers"]
     assert cli.main(["relufy", str(silu), "--corpus", tiny["corpus"], "--out", str(out2), "--steps", "0",
                      "--target-sparsity", "1.5"]) == 1
 

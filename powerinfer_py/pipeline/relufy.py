@@ -57,6 +57,7 @@ ACTS = ("silu", "relu", "drelu")
 ARCHS = ("llama", "qwen2")  # qwen2: llama with q/k/v biases and RoPE in NEOX mode (rotated halves)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _BIASES = ("attn_q", "attn_k", "attn_v")  # qwen2's, as blk.N.attn_q.bias ...
+_FFN_TENSORS = ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")  # what the layerwise stage fits
 
 
 def _torch():
@@ -255,8 +256,9 @@ def export_gguf(reader, model, out: str, outtype: str = "f16", progress: bool = 
     finish(w, out, progress=progress)
 
 
-def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict, lam: Optional[float] = None) -> None:
-    state = {"step": step, "meta": meta, "opt": opt.state_dict(), "lam": lam,
+def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict, lam: Optional[float] = None,
+                     layerwise: Optional[Dict] = None) -> None:
+    state = {"step": step, "meta": meta, "opt": opt.state_dict(), "lam": lam, "layerwise": layerwise,
              "params": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
              "rng": torch.get_rng_state(), "np_rng": np.random.get_state()}
     tmp = path.with_suffix(".tmp")
@@ -329,13 +331,14 @@ def layerwise_distill(model, teacher, tokens: np.ndarray, *, steps: int, n_seq: 
             inp = a_s.reshape(-1, d)
             target = (y_t - a_s).reshape(-1, d)
             denom = target.pow(2).mean().clamp_min(1e-20)
-            probe = inp[:: max(1, len(inp) // 4096)]
+            stride = max(1, len(inp) // 4096)  # a fixed sample of the tokens for the numbers reported
+            probe, probe_target = inp[::stride], target[::stride]
             a0, y0 = model.ffn(i, probe)
             act_scale = a0.abs().mean().clamp_min(1e-20)
-            mse_before = float((y0 - target[:: max(1, len(inp) // 4096)]).pow(2).mean() / denom)
+            mse_before = float((y0 - probe_target).pow(2).mean() / denom)
             sp_before = float((a0 == 0).float().mean())
         blk = model.blocks[i]
-        params = [blk[n] for n in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+        params = [blk[n] for n in _FFN_TENSORS]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
         ctl = SparsityController(target_sparsity, 0.02, 0.3, hi=3.0) if target_sparsity is not None else None
         lam = ctl.lam if ctl else 0.0
@@ -363,7 +366,7 @@ def layerwise_distill(model, teacher, tokens: np.ndarray, *, steps: int, n_seq: 
                 x_s[c : c + chunk] = a_s[c : c + chunk] + model.ffn(i, a_s[c : c + chunk])[1]
             x_t = y_t
             a1, y1 = model.ffn(i, probe)
-            mse_after = float((y1 - target[:: max(1, len(inp) // 4096)]).pow(2).mean() / denom)
+            mse_after = float((y1 - probe_target).pow(2).mean() / denom)
             drift = float((x_s - x_t).pow(2).mean() / x_t.pow(2).mean().clamp_min(1e-20))
         layers.append({"layer": i, "mse_before": mse_before, "mse_after": mse_after, "sparsity_before": sp_before,
                        "sparsity_after": float((a1 == 0).float().mean()), "lambda": lam, "residual_drift": drift})
@@ -378,7 +381,7 @@ def _layerwise_stage(torch, model, teacher, tokens, lw_meta: Dict, checkpoint_di
     """Runs layerwise_distill, or loads its result from CHECKPOINT_DIR/relufy-layerwise.pt when
     that was made with the same settings (the stage is deterministic given them)."""
     path = Path(checkpoint_dir) / "relufy-layerwise.pt" if checkpoint_dir else None
-    names = [f"blocks.{i}.{n}" for i in range(model.hp["n_layer"]) for n in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+    names = [f"blocks.{i}.{n}" for i in range(model.hp["n_layer"]) for n in _FFN_TENSORS]
     named = dict(model.named_parameters())
     if path is not None and path.is_file():
         state = torch.load(path, weights_only=False)
@@ -459,8 +462,6 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     lam_state = None
     if lw_meta is not None and not resume:
         report["layerwise"] = _layerwise_stage(torch, model, teacher, tokens, lw_meta, checkpoint_dir, progress)
-        if distill <= 0:
-            teacher = None  # needed no further
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise PipelineError(f"--resume: no checkpoint in {checkpoint_dir!r}")
@@ -476,14 +477,11 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         np.random.set_state(state["np_rng"])
         start = int(state["step"])
         lam_state = state.get("lam")
+        if state.get("layerwise") is not None:  # the stage this run started from, for the report
+            report["layerwise"] = state["layerwise"]
         print(f"relufy: resumed at step {start}", file=sys.stderr)
-        lw_path = Path(checkpoint_dir) / "relufy-layerwise.pt"
-        if lw_meta is not None and lw_path.is_file():  # the stage this run's start came from, for the report
-            lw_state = torch.load(lw_path, weights_only=False)
-            if lw_state.get("meta") == lw_meta:
-                report["layerwise"] = dict(lw_state["report"], loaded_from=str(lw_path))
-        if lw_meta is not None and teacher is not None and distill <= 0:
-            teacher = None
+    if distill <= 0:
+        teacher = None  # only the layerwise stage needed it
     if ckpt is not None:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
     warm = max(1, steps // 20)
@@ -538,7 +536,8 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
                    + (f"kl {kl.item():.3f} " if teacher is not None else "") +
                    f"l1 {l1_term.item():.3f} lam {lam:.3g} sparsity {sp:.1%} {seen / (time.time() - t0):.0f} tok/s")
         if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            _save_checkpoint(torch, ckpt, model, opt, step + 1, meta, lam=ctl.lam if ctl else None)
+            _save_checkpoint(torch, ckpt, model, opt, step + 1, meta, lam=ctl.lam if ctl else None,
+                             layerwise=report.get("layerwise"))
     bar.close()
     model.eval()
     wall = time.time() - t0
