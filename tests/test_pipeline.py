@@ -537,6 +537,30 @@ def test_relufy_layerwise_stage(tiny, tmp_path):
                      "--target-sparsity", "1.5"]) == 1
 
 
+def test_distill_kl_matches_autograd_through_kl_div():
+    """relufy's hand-written KL(teacher || student) and its gradient against torch's own
+    kl_div differentiated by autograd, in float64 (the formula, not rounding, is tested):
+    one token's distribution far from the teacher's, one equal to it (KL and gradient 0)."""
+    torch = pytest.importorskip("torch")
+    from powerinfer_py.pipeline.relufy import distill_kl
+
+    g = torch.Generator().manual_seed(3)
+    s = (torch.randn(5, 97, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    t = torch.randn(5, 97, generator=g, dtype=torch.float64) * 2
+    t[4] = s.detach()[4] + 1.5  # the same distribution: logits differ by a constant
+    t_logp = torch.log_softmax(t, -1)
+    kl, s_logp = distill_kl(torch)(s, t_logp.clone())
+    ref = torch.nn.functional.kl_div(torch.log_softmax(s, -1), t_logp, log_target=True, reduction="batchmean")
+    assert abs(kl.item() - ref.item()) < 1e-12 and kl.item() > 0.1
+    assert torch.allclose(s_logp, torch.log_softmax(s.detach(), -1), atol=1e-12, rtol=0)
+    (3.0 * kl).backward()
+    mine = s.grad.clone()
+    s.grad = None
+    (3.0 * ref).backward()
+    assert torch.allclose(mine, s.grad, atol=1e-12, rtol=0)
+    assert mine[4].abs().max().item() < 1e-12
+
+
 def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
     """--distill 1: the loss is KL(original || model) alone. The tiny model made a SiLU
     original (its key removed, its gates scaled into SiLU's curved range) starts, relufied,

@@ -179,10 +179,7 @@ def build_model(hp: Dict, weights: Dict[str, np.ndarray], act: str = "silu", shi
             k = self._proj(blk, h, "attn_k").view(B, T, Hkv, hd).transpose(1, 2)
             v = self._proj(blk, h, "attn_v").view(B, T, Hkv, hd).transpose(1, 2)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            if Hkv != H:
-                k = k.repeat_interleave(H // Hkv, dim=1)
-                v = v.repeat_interleave(H // Hkv, dim=1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
             return x + att.transpose(1, 2).reshape(*x.shape[:2], H * hd) @ blk["attn_output"].t()
 
         def ffn(self, i: int, x):
@@ -264,6 +261,32 @@ def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict, lam: 
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def distill_kl(torch):
+    """KL(teacher || student) per token as an autograd function of the student's logits
+    [N, V] (fp32) and the teacher's log-probabilities [N, V]. Its gradient, softmax(student)
+    - softmax(teacher) over N, is written directly: autograd through log_softmax and kl_div
+    walks the [N, V] tensors several more times, a tenth of an end-to-end step at a 49k
+    vocabulary. Returns (kl, the student's log-probabilities, detached, for reporting)."""
+
+    class _KL(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, s, t_logp):
+            s_logp = torch.log_softmax(s, -1)
+            t_p = t_logp.exp()
+            tp, n = t_p.view(-1), s.shape[0]  # two dot products: no [N, V] temporary
+            kl = (torch.dot(tp, t_logp.view(-1)) - torch.dot(tp, s_logp.view(-1))) / n
+            ctx.save_for_backward(s_logp, t_p)
+            ctx.mark_non_differentiable(s_logp)
+            return kl, s_logp
+
+        @staticmethod
+        def backward(ctx, g, _g_logp):
+            s_logp, t_p = ctx.saved_tensors  # in place: each is 4 N V bytes, used once
+            return s_logp.exp_().sub_(t_p).mul_(g / s_logp.shape[0]), None
+
+    return _KL.apply
 
 
 def sparsity_of(acts) -> float:
@@ -482,6 +505,12 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         print(f"relufy: resumed at step {start}", file=sys.stderr)
     if distill <= 0:
         teacher = None  # only the layerwise stage needed it
+    else:  # the end-to-end steps run the teacher under autocast: its matrices in bf16 once,
+        # not cast at every step (the residual stream, norms and embeddings stay fp32)
+        for blk in teacher.blocks:
+            for n in _LAYER_TENSORS:
+                if blk[n].dim() == 2:
+                    blk[n].data = blk[n].data.to(torch.bfloat16)
     if ckpt is not None:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
     warm = max(1, steps // 20)
@@ -494,6 +523,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
     ctl = SparsityController(target_sparsity, lam_state if lam_state is not None else l1, 0.2) \
         if target_sparsity is not None else None
 
+    kl_fn = distill_kl(torch)
     t0 = time.time()
     bar = Progress("relufy", steps - start, progress and steps > start)
     seen = 0
@@ -509,19 +539,31 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, acts = model(xb[:, :-1], collect=True)
             flat = logits.float().reshape(-1, logits.shape[-1])
-            ce = torch.nn.functional.cross_entropy(flat, xb[:, 1:].reshape(-1))
-            task = ce
+            targets = xb[:, 1:].reshape(-1)
+            if teacher is None or distill < 1.0:
+                ce = torch.nn.functional.cross_entropy(flat, targets)
+                task = ce
             if teacher is not None:
                 with torch.no_grad():
                     t_logits, _ = teacher(xb[:, :-1])
-                    t_logp = torch.log_softmax(t_logits.float().reshape(-1, flat.shape[-1]) / temperature, -1)
+                    t_logits = t_logits.float().reshape(-1, flat.shape[-1])
+                    t_logp = torch.log_softmax(t_logits / temperature if temperature != 1.0 else t_logits, -1)
+                    del t_logits
                 # KL(teacher || student) per token, scaled by T^2 (Hinton et al.) so its
                 # gradient does not shrink with the temperature
-                kl = torch.nn.functional.kl_div(torch.log_softmax(flat / temperature, -1), t_logp, log_target=True,
-                                                reduction="batchmean") * temperature**2
-                task = (1.0 - distill) * ce + distill * kl
-            # per token: sum over a layer's neurons, averaged over layers and tokens
-            l1_term = torch.stack([a.float().abs().sum(-1).mean() for a in acts]).mean()
+                kl, s_logp = kl_fn(flat / temperature if temperature != 1.0 else flat, t_logp)
+                kl = kl * temperature**2
+                if distill >= 1.0:  # the corpus's cross-entropy only reported (exact at T = 1)
+                    with torch.no_grad():
+                        ce = -(s_logp if temperature == 1.0 else torch.log_softmax(flat, -1)).gather(
+                            1, targets[:, None]).mean()
+                    task = kl
+                else:
+                    task = (1.0 - distill) * ce + distill * kl
+                del t_logp, s_logp
+            # per token: sum over a layer's neurons (all >= 0: relu, drelu and the shifted
+            # relu are, so no abs), averaged over layers and tokens
+            l1_term = torch.stack([a.float().sum(-1).mean() for a in acts]).mean()
             loss = task + lam * l1_term
         opt.zero_grad(set_to_none=True)
         loss.backward()
