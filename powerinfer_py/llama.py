@@ -142,6 +142,7 @@ class Llama:
         reset_gpu_index: bool = False,
         emulate_device: bool = False,
         repack: bool = True,
+        pack_dense: bool = False,
         **kwargs: Any,  # accepted and ignored, as upstream does (LangChain passes n_parts, f16_kv, ...)
     ):
         """Load a model. The parameters are llama_cpp.Llama's (see its documentation),
@@ -166,6 +167,12 @@ class Llama:
                 4-column kernels round a batch column differently from a lone one, so a
                 ParallelLlama is bit-exact against solo runs only with repack=False (the
                 server sets it with --n_parallel > 1); docs/parallel.md.
+            pack_dense: Dense matmul weights of types Q4_0, Q4_1 and Q8_0 in PowerInfer's
+                packed AVX-512 VNNI layout: each batch column computed alone (a ParallelLlama's
+                streams equal their solo runs bit for bit) and a batch of several sequences'
+                tokens for little more than one token; the server sets it with --n_parallel > 1.
+                Its rounding is not ggml's: keep the default (False) for logits equal to
+                llama-cpp-python's. No effect on CPUs without AVX-512 VNNI; docs/parallel.md.
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
@@ -222,6 +229,7 @@ class Llama:
                 n_threads=n_threads, vram_budget=vram_budget, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                 vocab_only=vocab_only, sparse_mode=sparse_mode, sparse_threshold=sparse_threshold,
                 emulate_device=emulate_device, reset_gpu_index=reset_gpu_index, repack=repack,
+                pack_dense=pack_dense,
             ))  # fmt: skip
         except PowerInferError as e:
             if fallback and e.status == ERR_UNSUPPORTED:

@@ -63,7 +63,7 @@ def _run(tmp_path, wtype, threads, w, x, h, active, driver=DRIVER):
         f.write(np.asarray(active, dtype="<i4").tobytes())
     subprocess.run([str(driver), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
     out = np.fromfile(dst, dtype="<f4")
-    exact = wtype in ("q4_0", "q8_0")
+    exact = wtype in ("q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K")
     sizes = [n_ff * n_embd, n_tok * n_ff, n_tok * n_embd, n_tok * n_embd if n_tok <= 8 else 0, n_tok * n_ff,
              n_tok * n_ff if exact else 0]
     parts = np.split(out, np.cumsum(sizes)[:-1])
@@ -167,15 +167,16 @@ def test_packed_matmul_matches_numpy(tmp_path, n_tok, driver):
 
 @pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
 @pytest.mark.parametrize("n_tok", [1, 5])
-@pytest.mark.parametrize("wtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K"])
 def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
-    """Q4_0/Q8_0 weights packed exactly (the file's scales and integers): the packed matmul
-    is the quantized W times x with x converted to Q8_0, the matvec's bound above."""
+    """Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K weights packed exactly (the file's scales and integers,
+    K-quants' sub-block scales as fp32 products): the packed matmul is the quantized W (as
+    ggml dequantizes it) times x converted to Q8_0 (for every weight type), the matvec's bound."""
     w, x, h, active = _problem(seed=31 + n_tok, n_tok=n_tok)
     wd, _, _ = _run(tmp_path, wtype, 2, w, x, h, active, driver)
     wd64, x64 = wd.astype(np.float64), x.astype(np.float64)
     ref = x64 @ wd64.T
-    bound = _input_error_bound(x64, wtype) @ np.abs(wd64).T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(wd64).T) + 1e-6
+    bound = _input_error_bound(x64, "q8_0") @ np.abs(wd64).T + w.shape[1] * EPS32 * (np.abs(x64) @ np.abs(wd64).T) + 1e-6
     diff = np.abs(_run.exact - ref)
     assert np.all(diff <= bound), f"max excess {np.max(diff - bound):.3g}"
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2

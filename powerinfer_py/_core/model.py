@@ -126,6 +126,11 @@ class Model(Handle):
         """The sparse mode the model runs in ("dense", "gate", "predictor"; auto resolved)."""
         return string(lib.powerinfer_sparse_mode_name(lib.powerinfer_model_sparse_mode(self.ptr)))
 
+    def n_packed(self) -> int:
+        """Dense matmul weights the packed kernels compute (pack_dense=True; 0 without AVX-512
+        VNNI or without weights of a type that packs)."""
+        return int(lib.powerinfer_model_n_packed(self.ptr))
+
     def sparse_threshold(self, layer: int) -> float:
         return float(lib.powerinfer_model_sparse_threshold(self.ptr, layer))
 

@@ -19,7 +19,7 @@ from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_S
 
 # Llama's own parameters, which llama_cpp.Llama (the fallback engine) does not take.
 OWN_PARAMS = ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback", "activation_dir",
-              "reset_gpu_index", "emulate_device")
+              "reset_gpu_index", "emulate_device", "pack_dense")
 
 
 def check_arguments(*, sparse_mode: str, sparse_threshold: Optional[float], vram_budget: Optional[float],
@@ -64,7 +64,7 @@ def unsupported_features(*, lora_path, kv_overrides, rope_freq_base, rope_freq_s
 
 def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: int, use_mmap: bool,
                  vocab_only: bool, sparse_mode: str, sparse_threshold: Optional[float], emulate_device: bool,
-                 reset_gpu_index: bool, repack: bool = True) -> Dict[str, Any]:
+                 reset_gpu_index: bool, repack: bool = True, pack_dense: bool = False) -> Dict[str, Any]:
     """struct powerinfer_model_params fields for Model()."""
     fields: Dict[str, Any] = dict(
         n_threads=n_threads,
@@ -77,6 +77,7 @@ def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: 
         emulate_device=bool(emulate_device),
         reset_gpu_index=bool(reset_gpu_index),
         use_repack=bool(repack),
+        pack_dense=bool(pack_dense),
     )
     if vram_budget is not None and vram_budget > 0:
         fields["vram_budget_bytes"] = int(float(vram_budget) * 2**30)  # exact, not a C float

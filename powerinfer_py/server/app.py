@@ -264,9 +264,11 @@ class ServerState:
             self._load(llama)
 
     def _load(self, llama: Any) -> None:
-        # Slots batch their steps: unrepacked weights keep every batch column's rounding that
-        # of a lone one (docs/parallel.md), so each stream equals its solo run.
-        overrides = {"repack": False} if self.n_parallel > 1 else {}
+        # Slots batch their steps: the packed kernels (Q4_0/Q4_1/Q8_0 weights) compute each
+        # batch column alone and a 4-token step for little more than one token; other types
+        # stay unrepacked, whose kernels also keep each column's rounding that of a lone one
+        # (docs/parallel.md). Either way each stream equals its solo run.
+        overrides = {"repack": False, "pack_dense": True} if self.n_parallel > 1 else {}
         proxy = ModelProxy(self.model_settings, llama=llama, overrides=overrides)
         if self.n_parallel > 1:
             from ..parallel import ParallelLlama

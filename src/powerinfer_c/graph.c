@@ -57,14 +57,26 @@ static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act a
     return act == PI_ACT_DRELU ? ggml_relu(ctx, up) : up;
 }
 
+// w . x through w's packed copy w_p (pack_dense, packed predictors) while w is the file's
+// tensor (placement may swap in a device copy, which then computes), else ggml's matmul.
+static struct ggml_tensor * packed_or_mul(struct ggml_context * ctx, const struct powerinfer_model * model, struct ggml_tensor * w,
+                                          struct ggml_tensor * w_p, struct ggml_tensor * x) {
+    if (!w_p || w->buffer != model->buf_weights) {
+        return ggml_mul_mat(ctx, w, x);
+    }
+    return pi_packed_matmul(ctx, w_p, ggml_is_contiguous(x) && x->ne[2] == 1 && x->ne[3] == 1
+                                          ? x : ggml_cont_2d(ctx, x, x->ne[0], ggml_nelements(x) / x->ne[0]));
+}
+
 // Down projection of h [n_ff, n_tokens]: a matmul through ffn_down, or through its batch
 // copy (repack.c) for files that store only ffn_down_t; else, and for single tokens of
 // ReLU-family models (most of h is zero), an AXPY over the rows of ffn_down_t with a
 // nonzero activation.
-static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct pi_layer * l, enum pi_ffn_act act,
-                                       struct ggml_tensor * h, struct pi_active_stat * stat) {
+static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                       const struct pi_layer * l, enum pi_ffn_act act, struct ggml_tensor * h,
+                                       struct pi_active_stat * stat) {
     if (l->ffn_down) {
-        return ggml_mul_mat(ctx, l->ffn_down, h);
+        return packed_or_mul(ctx, model, l->ffn_down, l->ffn_down_p, h);
     }
     if (l->ffn_down_b && (h->ne[1] > 1 || !pi_act_is_relu(act))) {
         return l->ffn_down_b_packed ? pi_packed_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
@@ -76,17 +88,10 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse);
 
-// w . x for a predictor matrix: through its packed copy while w is the file's (host)
-// tensor, else (placed on a device by hybrid placement) ggml's matmul.
-static struct ggml_tensor * predictor_mul(struct ggml_context * ctx, const struct powerinfer_model * model, struct ggml_tensor * w,
-                                          struct ggml_tensor * w_p, struct ggml_tensor * x) {
-    return w_p && w->buffer == model->buf_weights ? pi_packed_matmul(ctx, w_p, x) : ggml_mul_mat(ctx, w, x);
-}
-
 // logit = fc2 . relu(fc1 . x_res): the predictor's score of every neuron; [n_ff, T].
 static struct ggml_tensor * predictor_logits(struct ggml_context * ctx, const struct powerinfer_model * model,
                                              const struct pi_layer * l, struct ggml_tensor * x_res) {
-    return predictor_mul(ctx, model, l->fc2, l->fc2_p, ggml_relu(ctx, predictor_mul(ctx, model, l->fc1, l->fc1_p, x_res)));
+    return packed_or_mul(ctx, model, l->fc2, l->fc2_p, ggml_relu(ctx, packed_or_mul(ctx, model, l->fc1, l->fc1_p, x_res)));
 }
 
 // Gate mode's activity score: act(gate) itself for ReLU-family activations, else |act(gate)|.
@@ -147,8 +152,9 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, PI_ACTIVE_AT_LEAST, stat));
     }
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
-    struct ggml_tensor * up   = ggml_mul_mat(ctx, l->ffn_up_b ? l->ffn_up_b : l->ffn_up, x);
-    struct ggml_tensor * gate = l->ffn_gate ? ggml_mul_mat(ctx, l->ffn_gate_b ? l->ffn_gate_b : l->ffn_gate, x) : NULL;
+    struct ggml_tensor * up   = l->ffn_up_b ? ggml_mul_mat(ctx, l->ffn_up_b, x) : packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
+    struct ggml_tensor * gate = !l->ffn_gate ? NULL : l->ffn_gate_b ? ggml_mul_mat(ctx, l->ffn_gate_b, x)
+                                                                     : packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x);
     if (gp->capture) {
         // Profiling: keep x_res and act(gate) (act(up) without a gate) for the host.
         struct ggml_tensor * a = build_act(ctx, act, gate ? gate : up);
@@ -156,15 +162,15 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         ggml_set_output(a);
         in->cap_x[il]   = x_res;
         in->cap_act[il] = a;
-        return build_down(ctx, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
+        return build_down(ctx, model, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
     }
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
         ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
-        return build_down(ctx, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
+        return build_down(ctx, model, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
     }
-    return build_down(ctx, l, act, build_glu(ctx, act, gate, up), stat);
+    return build_down(ctx, model, l, act, build_glu(ctx, act, gate, up), stat);
 }
 
 // Hybrid FFN (placement.c, offload.c): the device computes its compact hot rows densely through down,
@@ -182,7 +188,7 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
     const int64_t         n_ff = model->hp.n_ff;
     const float           tau  = stat->threshold;
 
-    struct ggml_tensor * pre = pred ? ggml_relu(ctx, predictor_mul(ctx, model, l->fc1, l->fc1_p, x_res)) : NULL;  // [r, T]
+    struct ggml_tensor * pre = pred ? ggml_relu(ctx, packed_or_mul(ctx, model, l->fc1, l->fc1_p, x_res)) : NULL;  // [r, T]
 
     // Device side.
     struct ggml_tensor * out_dev = NULL;
@@ -216,7 +222,7 @@ static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const st
     if (!sparse) {
         idx = pi_cold_index(ctx, a ? a : x, n_ff, stat);
     } else if (pred) {
-        idx = pi_active_index(ctx, predictor_mul(ctx, model, l->fc2, l->fc2_p, pre), PI_ACTIVE_AT_LEAST, stat);
+        idx = pi_active_index(ctx, packed_or_mul(ctx, model, l->fc2, l->fc2_p, pre), PI_ACTIVE_AT_LEAST, stat);
     } else {
         idx = pi_active_index(ctx, gate_score(ctx, act, a), PI_ACTIVE_ABOVE, stat);
     }
@@ -316,7 +322,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * cur = l->attn_norm_2 ? build_layer_norm(ctx, inpL, l->attn_norm_2, l->attn_norm_2_b, eps)
                                                   : attn_norm;
         const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
-        struct ggml_tensor * qkv = ggml_mul_mat(ctx, l->wqkv, cur);
+        struct ggml_tensor * qkv = packed_or_mul(ctx, model, l->wqkv, l->wqkv_p, cur);
         const size_t es = ggml_element_size(qkv);
         struct ggml_tensor * q = ggml_view_3d(ctx, qkv, head, hp->n_head, n_tokens, es * head, qkv->nb[1], 0);
         struct ggml_tensor * k = ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1], es * n_q);
@@ -325,7 +331,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         q = build_rope(ctx, q, hp, in);
         k = build_rope(ctx, k, hp, in);
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = ggml_mul_mat(ctx, l->wo, cur);
+        cur = packed_or_mul(ctx, model, l->wo, l->wo_p, cur);
         if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
             cur       = ggml_get_rows(ctx, cur, in->out_ids);
             inpL      = ggml_get_rows(ctx, inpL, in->out_ids);
@@ -342,9 +348,9 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
 
         struct ggml_tensor * cur = build_norm(ctx, inpL, l->attn_norm, hp->norm_rms_eps);
 
-        struct ggml_tensor * q = ggml_mul_mat(ctx, l->wq, cur);
-        struct ggml_tensor * k = ggml_mul_mat(ctx, l->wk, cur);
-        struct ggml_tensor * v = ggml_mul_mat(ctx, l->wv, cur);
+        struct ggml_tensor * q = packed_or_mul(ctx, model, l->wq, l->wq_p, cur);
+        struct ggml_tensor * k = packed_or_mul(ctx, model, l->wk, l->wk_p, cur);
+        struct ggml_tensor * v = packed_or_mul(ctx, model, l->wv, l->wv_p, cur);
         if (l->bq) q = ggml_add(ctx, q, l->bq);
         if (l->bk) k = ggml_add(ctx, k, l->bk);
         if (l->bv) v = ggml_add(ctx, v, l->bv);
@@ -356,7 +362,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = build_rope(ctx, k, hp, in);
 
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = ggml_mul_mat(ctx, l->wo, cur);
+        cur = packed_or_mul(ctx, model, l->wo, l->wo_p, cur);
 
         if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
             // Only the output rows need the last FFN and the LM head.
@@ -380,7 +386,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     in->embd = cur;
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);
-    in->logits = ggml_mul_mat(ctx, model->output, cur);  // [n_vocab, n_outputs]
+    in->logits = packed_or_mul(ctx, model, model->output, model->output_p, cur);  // [n_vocab, n_outputs]
     ggml_set_name(in->logits, "result_output");
     ggml_set_output(in->logits);
     ggml_build_forward_expand(gf, in->logits);

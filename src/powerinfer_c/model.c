@@ -469,6 +469,8 @@ static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
 
 int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model) { return model->hp.sparse_mode; }
 
+int32_t powerinfer_model_n_packed(const struct powerinfer_model * model) { return model->n_packed_dense; }
+
 int64_t powerinfer_model_tensor_nbytes(const struct powerinfer_model * model, const char * name) {
     const struct ggml_tensor * t = name && model->ctx_meta ? ggml_get_tensor(model->ctx_meta, name) : NULL;
     return t ? (int64_t) ggml_nbytes(t) : -1;
@@ -487,23 +489,25 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
     }
     int32_t n = 0;
+#define PI_REPACK_SLOT(t, packed) do { if (!(packed)) w[n++] = &(t); } while (0)  // packed (pack_dense): not here
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
-        w[n++] = &l->wqkv;
-        w[n++] = &l->wq;
-        w[n++] = &l->wk;
-        w[n++] = &l->wv;
-        w[n++] = &l->wo;
+        PI_REPACK_SLOT(l->wqkv, l->wqkv_p);
+        PI_REPACK_SLOT(l->wq, l->wq_p);
+        PI_REPACK_SLOT(l->wk, l->wk_p);
+        PI_REPACK_SLOT(l->wv, l->wv_p);
+        PI_REPACK_SLOT(l->wo, l->wo_p);
         if (l->fc1 && !packed_pred) { w[n++] = &l->fc1; w[n++] = &l->fc2; }
         // Rows the sparse operators read one by one stay in the plain mapping.
         const int32_t mode = model->hp.sparse_mode;
-        if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) w[n++] = &l->ffn_gate;
-        if (mode == POWERINFER_SPARSE_DENSE) w[n++] = &l->ffn_up;
-        if (l->ffn_down) w[n++] = &l->ffn_down;
+        if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) PI_REPACK_SLOT(l->ffn_gate, l->ffn_gate_p);
+        if (mode == POWERINFER_SPARSE_DENSE) PI_REPACK_SLOT(l->ffn_up, l->ffn_up_p);
+        if (l->ffn_down) PI_REPACK_SLOT(l->ffn_down, l->ffn_down_p);
     }
     if (model->output != model->tok_embd) {
-        w[n++] = &model->output;
+        PI_REPACK_SLOT(model->output, model->output_p);
     }
+#undef PI_REPACK_SLOT
     int32_t rc = pi_repack_weights(model, w, n);
     free(w);
     return rc;
@@ -525,6 +529,7 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .reset_gpu_index = false,
         .vram_budget_bytes = 0,
         .batch_weights   = true,
+        .pack_dense      = false,
     };
     return p;
 }
@@ -551,6 +556,8 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
     } else {
         ok = ok && pi_model_load_hparams(model) == POWERINFER_OK && pi_model_bind_tensors(model) == POWERINFER_OK &&
              resolve_sparse_mode(model) == POWERINFER_OK;
+        // Packed first: what it takes stays out of ggml's repacked layouts.
+        ok = ok && (!params.pack_dense || pi_pack_dense_weights(model) == POWERINFER_OK);
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
         ok = ok && (!params.batch_weights || pi_make_batch_weights(model, params.use_repack) == POWERINFER_OK);
         ok = ok && pi_make_row_copies(model) == POWERINFER_OK && pi_pack_predictors(model) == POWERINFER_OK;

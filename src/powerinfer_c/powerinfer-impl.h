@@ -67,6 +67,8 @@ struct pi_layer {
     struct ggml_tensor * ffn_down;         // optional when ffn_down_t is present
     struct ggml_tensor * ffn_down_t;       // [n_embd, n_ff]: row i = neuron i's output weights
     struct ggml_tensor * fc1, * fc2;       // predictor: [n_embd, r], [r, n_ff]
+    // Dense matmul weights packed for packed_matmul.c (pack_dense, repack.c), NULL when not packed.
+    struct ggml_tensor * wqkv_p, * wq_p, * wk_p, * wv_p, * wo_p, * ffn_gate_p, * ffn_up_p, * ffn_down_p;
     struct ggml_tensor * fc1_p, * fc2_p;   // the predictor packed for packed_matmul.c (repack.c); used while
                                            // fc1/fc2 are the file's, NULL when not packed
     // Batch copies (repack.c), used by batches larger than the sparse path takes; NULL
@@ -204,6 +206,7 @@ struct powerinfer_model {
     struct ggml_context * repack_ctx[PI_MAX_REPACK_BUFS];
     ggml_backend_buffer_t repack_buf[PI_MAX_REPACK_BUFS];
     int32_t               n_repack_bufs;
+    int32_t               n_packed_dense; // weights pi_pack_dense_weights packed
     // the rows the sparse path reads, copied out of the mapping (repack.c)
     struct ggml_context * rows_ctx;
     ggml_backend_buffer_t rows_buf;
@@ -216,6 +219,7 @@ struct powerinfer_model {
     struct ggml_tensor * output_norm;
     struct ggml_tensor * output_norm_b;
     struct ggml_tensor * output;    // == tok_embd when the output is tied
+    struct ggml_tensor * output_p;  // output packed (pack_dense), NULL when not
     struct pi_layer      layers[PI_MAX_LAYERS];
 
     struct pi_placement  placement;
@@ -263,6 +267,9 @@ int32_t pi_make_row_copies(struct powerinfer_model * model);
 // Whether the predictor of this model gets packed (pi_pack_predictors), and packs it.
 bool    pi_predictors_packable(const struct powerinfer_model * model);
 int32_t pi_pack_predictors(struct powerinfer_model * model);
+// pack_dense: packed copies (packed_matmul.h) of the dense matmul weights that pack exactly
+// (attention, the FFN in dense mode, the output), which the graph then multiplies with.
+int32_t pi_pack_dense_weights(struct powerinfer_model * model);
 void    pi_free_row_copies(struct powerinfer_model * model);
 void    pi_repack_free(struct powerinfer_model * model);
 

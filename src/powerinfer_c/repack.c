@@ -461,7 +461,7 @@ int32_t pi_pack_predictors(struct powerinfer_model * model) {
         const struct ggml_tensor * w[2] = { l->fc1, l->fc2 };
         struct ggml_tensor ** p[2] = { &l->fc1_p, &l->fc2_p };
         for (int k = 0; k < 2; ++k) {
-            *p[k] = pi_pack_tensor(ctx, w[k]->type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, w[k]->ne[1], w[k]->ne[0]);
+            *p[k] = pi_pack_tensor(ctx, pi_pack_type_of(w[k]->type), w[k]->ne[1], w[k]->ne[0]);
             ggml_format_name(*p[k], "%s_p", ggml_get_name(w[k]));
         }
     }
@@ -485,6 +485,84 @@ int32_t pi_pack_predictors(struct powerinfer_model * model) {
         }
     }
     pi_log(POWERINFER_LOG_INFO, "powerinfer: predictor packed (%.1f MiB)\n", ggml_backend_buffer_get_size(buf) / 1048576.0);
+    return POWERINFER_OK;
+}
+
+// ---- dense weights, packed (pack_dense) ------------------------------------------------------
+//
+// The packed kernel computes every batch column alone, in one order, and reuses each
+// loaded weight chunk for 4 columns: a batch of several sequences' tokens (ParallelLlama,
+// the server's slots) costs little more than one token and each column's result equals the
+// one it gets alone. ggml's Q4_1 and K-quant matmuls on x86 compute each column with its
+// own dot products (a 4-column step costs 3x one column on 2 cores), and its tiled and
+// repacked kernels round a column by its neighbours (docs/parallel.md).
+
+int32_t pi_pack_dense_weights(struct powerinfer_model * model) {
+    if (!pi_pack_available()) {
+        return POWERINFER_OK;  // no kernels here (the scalar path is slower than ggml's)
+    }
+    const int32_t n_layer = model->hp.n_layer, per_layer = 8;
+    const size_t n_max = (size_t) per_layer * (size_t) n_layer + 1;
+    struct ggml_tensor ** src = malloc(sizeof(*src) * n_max);
+    struct ggml_tensor *** dst = malloc(sizeof(*dst) * n_max);
+    if (!src || !dst) {
+        free(src); free(dst);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    size_t n = 0;
+#define PI_PACK_SLOT(w, p) do { if ((w) && (w)->buffer == model->buf_weights && \
+        pi_pack_fits((w)->type, (w)->ne[0], (w)->ne[1]) && ggml_n_dims(w) == 2) { src[n] = (w); dst[n] = &(p); ++n; } } while (0)
+    const bool dense_ffn = model->hp.sparse_mode == POWERINFER_SPARSE_DENSE;
+    for (int32_t il = 0; il < n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        PI_PACK_SLOT(l->wqkv, l->wqkv_p);
+        PI_PACK_SLOT(l->wq, l->wq_p);
+        PI_PACK_SLOT(l->wk, l->wk_p);
+        PI_PACK_SLOT(l->wv, l->wv_p);
+        PI_PACK_SLOT(l->wo, l->wo_p);
+        if (dense_ffn) {  // sparse modes read the FFN's rows one neuron at a time: left as they are
+            PI_PACK_SLOT(l->ffn_gate, l->ffn_gate_p);
+            PI_PACK_SLOT(l->ffn_up, l->ffn_up_p);
+            PI_PACK_SLOT(l->ffn_down, l->ffn_down_p);
+        }
+    }
+    PI_PACK_SLOT(model->output, model->output_p);
+#undef PI_PACK_SLOT
+    if (n == 0) {
+        free(src); free(dst);
+        return POWERINFER_OK;
+    }
+    struct ggml_init_params ip = { .mem_size = (n + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true };
+    struct ggml_context * ctx = model->n_repack_bufs < PI_MAX_REPACK_BUFS ? ggml_init(ip) : NULL;
+    if (!ctx) {
+        free(src); free(dst);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot pack the dense weights");
+    }
+    for (size_t i = 0; i < n; ++i) {
+        *dst[i] = pi_pack_tensor(ctx, pi_pack_type_of(src[i]->type), src[i]->ne[1], src[i]->ne[0]);
+        ggml_format_name(*dst[i], "%s_p", ggml_get_name(src[i]));
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    if (!buf) {
+        for (size_t i = 0; i < n; ++i) *dst[i] = NULL;
+        ggml_free(ctx);
+        free(src); free(dst);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate memory for the packed dense weights");
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    model->repack_ctx[model->n_repack_bufs] = ctx;
+    model->repack_buf[model->n_repack_bufs] = buf;
+    model->n_repack_bufs++;
+    for (size_t i = 0; i < n; ++i) {
+        pi_pack_rows_exact(src[i]->type, src[i]->data, src[i]->nb[1], src[i]->ne[0], 0, src[i]->ne[1], (*dst[i])->data);
+        if (src[i] != model->tok_embd) {  // the embedding rows are still read (get_rows)
+            pi_release_mapped_range(model, src[i]->data, ggml_nbytes(src[i]));
+        }
+    }
+    model->n_packed_dense = (int32_t) n;
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: %zu dense weights packed (%.1f MiB)\n", n,
+           ggml_backend_buffer_get_size(buf) / 1048576.0);
+    free(src); free(dst);
     return POWERINFER_OK;
 }
 

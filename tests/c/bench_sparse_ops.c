@@ -134,7 +134,7 @@ int main(int argc, char ** argv) {
         L[il].down   = ggml_new_tensor_2d(wctx, type, n_ff, n_embd);
         L[il].down_p = pi_pack_tensor(wctx, PI_PACK_Q8, n_embd, n_ff);
         if (pi_pack_fits(type, n_embd, n_ff)) {
-            L[il].gate_p = pi_pack_tensor(wctx, type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, n_ff, n_embd);
+            L[il].gate_p = pi_pack_tensor(wctx, pi_pack_type_of(type), n_ff, n_embd);
         }
         L[il].idx    = ggml_new_tensor_1d(wctx, GGML_TYPE_I32, PI_INDEX_LEN(n_ff));
     }

@@ -9,7 +9,7 @@
 //        f32 ffn[n_tok][n_embd]: the fused FFN with W as gate, up and ffn_down_t and ReLU
 //        (h_i = relu(W_i . x) * (W_i . x) for the active i);
 //        f32 packed[n_tok][n_ff]: the float W packed as Q8_0x16 (packed_matmul.h) times x;
-//        for TYPE q4_0 and q8_0: f32 exact[n_tok][n_ff]: W as TYPE packed exactly, times x
+//        for TYPE q4_0, q4_1, q5_0, q8_0, q4_K and q6_K: f32 exact[n_tok][n_ff]: W as TYPE packed exactly, times x
 #include "packed_matmul.h"
 #include "sparse_ops.h"
 
@@ -97,7 +97,7 @@ int main(int argc, char ** argv) {
     struct ggml_tensor * packed = pi_packed_matmul(ctx, tp, tx);
     struct ggml_tensor * exact = NULL;
     if (pi_pack_fits(type, n_embd, n_ff)) {
-        struct ggml_tensor * te = pi_pack_tensor(ctx, type == GGML_TYPE_Q4_0 ? PI_PACK_Q4 : PI_PACK_Q8, n_ff, n_embd);
+        struct ggml_tensor * te = pi_pack_tensor(ctx, pi_pack_type_of(type), n_ff, n_embd);
         pi_pack_rows_exact(type, tw->data, tw->nb[1], n_embd, 0, n_ff, te->data);
         exact = pi_packed_matmul(ctx, te, tx);
     }

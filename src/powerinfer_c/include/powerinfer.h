@@ -73,6 +73,11 @@ struct powerinfer_model_params {
     int64_t vram_budget_bytes; // > 0: the budget in bytes, exactly (overrides vram_budget_gib)
     bool    batch_weights;  // sparse modes: copies of the FFN rows the sparse path reads, in the CPU's fastest matmul
                             // layout, and ffn_down_t transposed back, for batches (prompt processing); default true
+    bool    pack_dense;     // dense matmul weights that pack exactly (Q4_0, Q4_1, Q8_0: attention, the FFN in dense
+                            // mode, the output) in PowerInfer's packed AVX-512 VNNI layout: each batch column
+                            // computed alone (batch-invariant), several columns for little more than one; for
+                            // batches of several sequences (ParallelLlama, the server's slots). Default false:
+                            // ggml's kernels, bit for bit llama.cpp's. No effect without AVX-512 VNNI.
 };
 // What the hybrid placement put on the device (docs/hybrid.md). Sizes in bytes.
 struct powerinfer_placement {
@@ -177,6 +182,8 @@ POWERINFER_API uint64_t powerinfer_model_n_params(const struct powerinfer_model 
 POWERINFER_API int64_t powerinfer_model_tensor_nbytes(const struct powerinfer_model * model, const char * name);
 // The sparse mode the model runs in (AUTO resolved), and its name.
 POWERINFER_API int32_t powerinfer_model_sparse_mode(const struct powerinfer_model * model);
+// Dense matmul weights computed by the packed kernels (pack_dense); 0 when none.
+POWERINFER_API int32_t powerinfer_model_n_packed(const struct powerinfer_model * model);
 POWERINFER_API const char * powerinfer_sparse_mode_name(int32_t mode);
 // The activation threshold of layer il in gate or predictor mode.
 POWERINFER_API float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il);
