@@ -20,11 +20,11 @@
 # Environment: LAYERWISE_STEPS (relufy's first stage: steps per layer fitting each relufied
 # FFN to the original's residual stream, default 100; 0: none), LAYERWISE_SEQS (sequences
 # it fits on, 64), LAYERWISE_LR (5e-4), TARGET_SPARSITY (the share of zero activations
-# both stages steer their L1 coefficient to, default 0.85; empty: a fixed L1, ramped),
+# both stages steer their L1 coefficient to, default 0.83; empty: a fixed L1, ramped),
 # DISTILL (weight of KL to the original in relufy's end-to-end loss, default 1: KL only;
 # 0: the corpus's cross-entropy only), TEMPERATURE (1),
-# STEPS (end-to-end relufy steps, default 300), STEPS2 (a second phase, resumed from the
-# first, up to this step, default 600; its L1 coefficient starts at L1_2, or with
+# STEPS (end-to-end relufy steps, one cosine schedule, default 800), STEPS2 (a second phase, resumed from the
+# first, up to this step, default 0: none; its L1 coefficient starts at L1_2, or with
 # TARGET_SPARSITY where the first phase left it; <= STEPS: none), THREADS (torch threads for relufy, default 2; on a 2-core
 # machine shared with other work use 1: 2 OpenMP threads stall each other badly), SEQ_LEN (256),
 # BATCH (4), L1 (the starting L1 coefficient, 0.005), L1_2 (0.004), LR (5e-4), N_PROFILE (corpus tokens profiled, 24576),
@@ -45,10 +45,10 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 PY=$ROOT/.venv/bin/python
 [ -x "$PY" ] || ./scripts/setup.sh
-STEPS=${STEPS:-300} STEPS2=${STEPS2:-600} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
+STEPS=${STEPS:-800} STEPS2=${STEPS2:-0} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
 L1=${L1:-0.005} L1_2=${L1_2:-0.004} LR=${LR:-5e-4}
 LAYERWISE_STEPS=${LAYERWISE_STEPS:-100} LAYERWISE_SEQS=${LAYERWISE_SEQS:-64} LAYERWISE_LR=${LAYERWISE_LR:-5e-4}
-TARGET_SPARSITY=${TARGET_SPARSITY-0.85}
+TARGET_SPARSITY=${TARGET_SPARSITY-0.83}
 N_PROFILE=${N_PROFILE:-24576} N_HELDOUT=${N_HELDOUT:-4096} SAMPLES=${SAMPLES:-12000} RECALL=${RECALL:-0.98}
 OUTTYPE=${OUTTYPE:-q8_0} MIN_STEPS=${MIN_STEPS:-300} DISTILL=${DISTILL:-1} TEMPERATURE=${TEMPERATURE:-1}
 CARD_PASSAGES=${CARD_PASSAGES:-8} CARD_TOKENS=${CARD_TOKENS:-256} CARD_GEN=${CARD_GEN:-64} CARD_PROMPT=${CARD_PROMPT:-128}
@@ -100,7 +100,9 @@ if [ -f "$WORK/ckpt/relufy-checkpoint.pt" ]; then
     fi
 fi
 mkdir -p "$WORK/ckpt" && printf '%s' "$SETTINGS" > "$WORK/ckpt/settings"
-step relufy relufy_phase "$STEPS" "$L1" "$WORK/relufy-1.json" "${RESUME[@]}"
+CHECK1=()  # the torch-vs-engine check runs once, after the last phase
+[ "$STEPS2" -gt "$STEPS" ] || CHECK1=(--check)
+step relufy relufy_phase "$STEPS" "$L1" "$WORK/relufy-1.json" "${RESUME[@]}" "${CHECK1[@]}"
 if [ "$STEPS2" -gt "$STEPS" ]; then
     step relufy-2 relufy_phase "$STEPS2" "$L1_2" "$WORK/relufy.json" --resume --check
 else
