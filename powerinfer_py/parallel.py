@@ -1,6 +1,6 @@
 """`ParallelLlama`: one model serving several generations at once, with continuous batching.
 
-    llm = Llama(model_path="model.gguf", n_ctx=2048)
+    llm = Llama(model_path="model.gguf", n_ctx=2048, repack=False, pack_dense=True)
     pool = ParallelLlama(llm, n_parallel=4)
     def ask(question):
         with pool.slot() as slot:          # a Llama of its own, sharing llm's model
@@ -16,6 +16,9 @@ Design (docs/parallel.md):
   wait. One engine thread takes every queued request, waits a moment for the other busy
   slots to queue theirs (the previous step's duration at most), and computes them as one
   batch (`powerinfer_decode_batch`): a step of 4 generating slots reads the weights once.
+  With pack_dense=True (what the server uses) the matmuls run on the packed kernels, which
+  also reuse each loaded weight for 4 batch columns and compute every column alone, so a
+  step of 4 costs about 2 steps of 1 and each stream equals its solo run bit for bit.
   With a sparse model, batches above the context's sparse_max_batch would run the dense
   FFN, so prompts are then computed apart from the one-token steps; each sequence gets
   the result it would get alone (up to summation order, see docs/parallel.md).

@@ -117,6 +117,21 @@ int32_t pi_repack_weights(struct powerinfer_model * model, struct ggml_tensor **
     return POWERINFER_OK;
 }
 
+// Allocates ctx's tensors in a buffer of type bt that the model keeps (freed by
+// pi_repack_free); NULL when out of memory (ctx is then the caller's to free).
+static ggml_backend_buffer_t keep_weight_buffer(struct powerinfer_model * model, struct ggml_context * ctx,
+                                                ggml_backend_buffer_type_t bt) {
+    ggml_backend_buffer_t buf = model->n_repack_bufs < PI_MAX_REPACK_BUFS ? ggml_backend_alloc_ctx_tensors_from_buft(ctx, bt) : NULL;
+    if (!buf) {
+        return NULL;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    model->repack_ctx[model->n_repack_bufs] = ctx;
+    model->repack_buf[model->n_repack_bufs] = buf;
+    model->n_repack_bufs++;
+    return buf;
+}
+
 void pi_repack_free(struct powerinfer_model * model) {
     for (int32_t i = 0; i < model->n_repack_bufs; ++i) {
         ggml_backend_buffer_free(model->repack_buf[i]);
@@ -251,17 +266,13 @@ static int32_t alloc_copies(struct powerinfer_model * model, ggml_backend_buffer
         ggml_format_name(t, "%s_b", ggml_get_name(s));
         *slots[i] = t;
     }
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, bt);
+    ggml_backend_buffer_t buf = keep_weight_buffer(model, ctx, bt);
     if (!buf) {
         for (int32_t i = 0; i < n; ++i) *slots[i] = NULL;
         ggml_free(ctx);
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the batch copies",
                        ggml_backend_buft_name(bt));
     }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    model->repack_ctx[model->n_repack_bufs] = ctx;
-    model->repack_buf[model->n_repack_bufs] = buf;
-    model->n_repack_bufs++;
     pi_log(POWERINFER_LOG_INFO, "powerinfer: batch copies: %d tensors, %.1f MiB in %s\n", n,
            ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(bt));
     return POWERINFER_OK;
@@ -465,16 +476,12 @@ int32_t pi_pack_predictors(struct powerinfer_model * model) {
             ggml_format_name(*p[k], "%s_p", ggml_get_name(w[k]));
         }
     }
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    ggml_backend_buffer_t buf = keep_weight_buffer(model, ctx, ggml_backend_cpu_buffer_type());
     if (!buf) {
         for (int32_t il = 0; il < n_layer; ++il) model->layers[il].fc1_p = model->layers[il].fc2_p = NULL;
         ggml_free(ctx);
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate memory for the packed predictor");
     }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    model->repack_ctx[model->n_repack_bufs] = ctx;
-    model->repack_buf[model->n_repack_bufs] = buf;
-    model->n_repack_bufs++;
     for (int32_t il = 0; il < n_layer; ++il) {
         const struct pi_layer * l = &model->layers[il];
         const struct ggml_tensor * w[2] = { l->fc1, l->fc2 };
@@ -542,17 +549,13 @@ int32_t pi_pack_dense_weights(struct powerinfer_model * model) {
         *dst[i] = pi_pack_tensor(ctx, pi_pack_type_of(src[i]->type), src[i]->ne[1], src[i]->ne[0]);
         ggml_format_name(*dst[i], "%s_p", ggml_get_name(src[i]));
     }
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    ggml_backend_buffer_t buf = keep_weight_buffer(model, ctx, ggml_backend_cpu_buffer_type());
     if (!buf) {
         for (size_t i = 0; i < n; ++i) *dst[i] = NULL;
         ggml_free(ctx);
         free(src); free(dst);
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate memory for the packed dense weights");
     }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    model->repack_ctx[model->n_repack_bufs] = ctx;
-    model->repack_buf[model->n_repack_bufs] = buf;
-    model->n_repack_bufs++;
     for (size_t i = 0; i < n; ++i) {
         pi_pack_rows_exact(src[i]->type, src[i]->data, src[i]->nb[1], src[i]->ne[0], 0, src[i]->ne[1], (*dst[i])->data);
         if (src[i] != model->tok_embd) {  // the embedding rows are still read (get_rows)
