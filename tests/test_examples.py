@@ -85,7 +85,7 @@ def test_relu_smollm2_walk(smollm2_path, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(p.read_text() for p in [REPO_DIR / "README.md", *sorted((REPO_DIR / "docs").glob("*.md"))]))
     work = tmp_path / "work"
-    knobs = dict(STEPS="2", STEPS2="0", LAYERWISE_STEPS="2", LAYERWISE_SEQS="2", SEQ_LEN="32", BATCH="1", N_PROFILE="256", N_HELDOUT="256", SAMPLES="200",
+    knobs = dict(SAMPLE_TOKENS="48", STEPS="2", STEPS2="0", LAYERWISE_STEPS="2", LAYERWISE_SEQS="2", SEQ_LEN="32", BATCH="1", N_PROFILE="256", N_HELDOUT="256", SAMPLES="200",
                  RANK="32", MIN_STEPS="20", OUTTYPE="f16", N_EVAL="16", N_PASSAGES="1", CARD_PASSAGES="1",
                  CARD_TOKENS="16", CARD_GEN="4", CARD_PROMPT="24", CORPUS=str(corpus), WORK=str(work))
     out = _run(["bash", EXAMPLES / "relu_smollm2" / "make_relu_smollm2.sh", smollm2_path], knobs)
@@ -98,6 +98,12 @@ def test_relu_smollm2_walk(smollm2_path, tmp_path):
     relufy = json.loads((work / "relufy.json").read_text())
     assert relufy["distill"] == 1.0 and len(relufy["layerwise"]["layers"]) == 30
     assert relufy["layerwise"]["target_sparsity"] == 0.83
+    # the original's own samples (data-free distillation) are in the training text
+    from powerinfer_py.pipeline.sample import read_samples
+
+    head, recs = read_samples(str(work / "original-samples.jsonl"))
+    assert head["n_tokens"] == 48 and sum(r["n_tokens"] for r in recs) >= 48
+    assert recs[0]["text"][:200] in (work / "corpus" / "train.txt").read_text()
     card = json.loads((work / "card.json").read_text())
     assert card["modes"] == ["dense", "gate", "predictor"] and list(card["quality"]) == ["heldout"]
     assert set(card["quality"]["heldout"]) == {"reference", "dense", "gate", "predictor"}

@@ -11,19 +11,20 @@
 #
 # MODEL: the argument, else $POWERINFER_MODEL, else SmolLM2-135M-Instruct (fetched once).
 # Corpus: a mix of domains (relu_smollm2.py corpus-mix: KJV, Shakespeare, Python code, manual
-# pages, package descriptions, ...) for training, and held-out text of other domains that no
+# pages, package descriptions, and the original's own samples: powerinfer sample) for training, and held-out text of other domains that no
 # step trains or calibrates on (corpus/heldout/<domain>.txt, the card's domains); or
 # CORPUS=FILE, any text file (its last tenth held out, one domain), which installs nothing.
 # Everything goes to $WORK (default: <models cache>/relu-smollm2); nothing into the repo.
 # Rerunning resumes relufy from its checkpoint when the step count is unchanged.
 #
-# Environment: LAYERWISE_STEPS (relufy's first stage: steps per layer fitting each relufied
+# Environment: SAMPLE_TOKENS (tokens the original writes for the mix, default 64000; 0: none),
+# LAYERWISE_STEPS (relufy's first stage: steps per layer fitting each relufied
 # FFN to the original's residual stream, default 100; 0: none), LAYERWISE_SEQS (sequences
 # it fits on, 64), LAYERWISE_LR (5e-4), TARGET_SPARSITY (the share of zero activations
 # both stages steer their L1 coefficient to, default 0.83; empty: a fixed L1, ramped),
 # DISTILL (weight of KL to the original in relufy's end-to-end loss, default 1: KL only;
 # 0: the corpus's cross-entropy only), TEMPERATURE (1),
-# STEPS (end-to-end relufy steps, one cosine schedule, default 800), STEPS2 (a second phase, resumed from the
+# STEPS (end-to-end relufy steps, one cosine schedule, default 900), STEPS2 (a second phase, resumed from the
 # first, up to this step, default 0: none; its L1 coefficient starts at L1_2, or with
 # TARGET_SPARSITY where the first phase left it; <= STEPS: none), THREADS (torch threads for relufy, default 2; on a 2-core
 # machine shared with other work use 1: 2 OpenMP threads stall each other badly), SEQ_LEN (256),
@@ -35,7 +36,7 @@
 # passages, 4), CARD_PASSAGES (passages per held-out domain in the card, 8), CARD_TOKENS
 # (tokens per passage, 256), CARD_GEN (decode steps timed, 64), CARD_PROMPT (prompt timed,
 # 128), CORPUS, WORK.
-# A tiny run of the whole walk (tests/test_examples.py): STEPS=2 STEPS2=0 LAYERWISE_STEPS=2
+# A tiny run of the whole walk (tests/test_examples.py): SAMPLE_TOKENS=48 STEPS=2 STEPS2=0 LAYERWISE_STEPS=2
 # LAYERWISE_SEQS=2 SEQ_LEN=32 BATCH=1
 # N_PROFILE=256 N_HELDOUT=256 SAMPLES=200 RANK=32 MIN_STEPS=20 OUTTYPE=f16 N_EVAL=16
 # N_PASSAGES=1 CARD_PASSAGES=1 CARD_TOKENS=16 CARD_GEN=4 CARD_PROMPT=24 CORPUS=...
@@ -45,7 +46,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 PY=$ROOT/.venv/bin/python
 [ -x "$PY" ] || ./scripts/setup.sh
-STEPS=${STEPS:-800} STEPS2=${STEPS2:-0} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
+SAMPLE_TOKENS=${SAMPLE_TOKENS:-64000} STEPS=${STEPS:-900} STEPS2=${STEPS2:-0} THREADS=${THREADS:-2} SEQ_LEN=${SEQ_LEN:-256} BATCH=${BATCH:-4}
 L1=${L1:-0.005} L1_2=${L1_2:-0.004} LR=${LR:-5e-4}
 LAYERWISE_STEPS=${LAYERWISE_STEPS:-100} LAYERWISE_SEQS=${LAYERWISE_SEQS:-64} LAYERWISE_LR=${LAYERWISE_LR:-5e-4}
 TARGET_SPARSITY=${TARGET_SPARSITY-0.83}
@@ -75,10 +76,16 @@ declare -A WALL
 step() { local name=$1; shift; local t=$(date +%s); echo "==> $name" >&2; "$@"; WALL[$name]=$(( $(date +%s) - t )); }
 powerinfer() { nice -n 10 "$PY" -m powerinfer_py.pipeline "$@"; }
 
+SAMPLE_FILE=()  # kept across reruns when made with the same settings
+if [ "$SAMPLE_TOKENS" -gt 0 ]; then
+    step samples powerinfer sample "$ORIG" --out "$WORK/original-samples.jsonl" --n-tokens "$SAMPLE_TOKENS" \
+        --threads "$THREADS" --skip-existing
+    SAMPLE_FILE=("$WORK/original-samples.jsonl")
+fi
 if [ -n "${CORPUS:-}" ]; then
-    step corpus "$PY" "$HERE/relu_smollm2.py" corpus "$WORK/corpus" "$CORPUS"
+    step corpus "$PY" "$HERE/relu_smollm2.py" corpus "$WORK/corpus" "$CORPUS" "${SAMPLE_FILE[@]}"
 else
-    step corpus "$PY" "$HERE/relu_smollm2.py" corpus-mix "$WORK/corpus"
+    step corpus "$PY" "$HERE/relu_smollm2.py" corpus-mix "$WORK/corpus" "${SAMPLE_FILE[@]}"
 fi
 relufy_phase() {  # steps l1 report [--resume]
     powerinfer relufy "$ORIG" --corpus "$WORK/corpus/train.txt" \
@@ -118,7 +125,7 @@ step convert powerinfer convert "$WORK/relu-smollm2.gguf" --predictors "$WORK/pr
     --stats "$WORK/profile" --outtype "$OUTTYPE" --out "$WORK/ReLU-SmolLM2-135M.powerinfer.gguf"
 {
     echo "{"
-    for k in corpus relufy relufy-2 profile profile-heldout train-predictor convert; do [ -n "${WALL[$k]:-}" ] && echo "\"$k\": ${WALL[$k]},"; done
+    for k in samples corpus relufy relufy-2 profile profile-heldout train-predictor convert; do [ -n "${WALL[$k]:-}" ] && echo "\"$k\": ${WALL[$k]},"; done
     echo "\"total before evaluation\": $(( $(date +%s) - T_ALL ))"
     echo "}"
 } > "$WORK/wall.json"

@@ -1,7 +1,7 @@
 """Helpers of examples/relu_smollm2/make_relu_smollm2.sh: build the corpus, and evaluate + report.
 
-    python examples/relu_smollm2/relu_smollm2.py corpus OUT_DIR [TEXT_FILE]
-    python examples/relu_smollm2/relu_smollm2.py corpus-mix OUT_DIR
+    python examples/relu_smollm2/relu_smollm2.py corpus OUT_DIR [TEXT_FILE [SAMPLES.jsonl]]
+    python examples/relu_smollm2/relu_smollm2.py corpus-mix OUT_DIR [SAMPLES.jsonl]
     python examples/relu_smollm2/relu_smollm2.py report WORK_DIR ORIGINAL.gguf
 
 The report reads N_EVAL (tokens per held-out passage) and N_PASSAGES from the environment.
@@ -24,7 +24,11 @@ Training domains: kjv (Debian bible-kjv, as in `corpus`, without its held-out en
 under /usr/lib/python3.11, without test directories, the encodings tables and pydoc_data),
 manpages (section 1 pages of /usr/share/man/man1 rendered by man(1) to 80-column text, a
 seeded sample) and debian-packages (long descriptions of the installed packages from
-/var/lib/dpkg/status, then `apt-cache search`-like "name - summary" listings of the archive).
+/var/lib/dpkg/status, then `apt-cache search`-like "name - summary" listings of the archive);
+with SAMPLES.jsonl, also original-samples: the original model's own replies to generic chat
+requests and continuations of plain-text openers (`powerinfer sample`, data-free
+distillation: modern everyday English, which no installable corpus covers), repeated up to
+4 times towards a share.
 Held-out domains: licenses (/usr/share/common-licenses: legal prose), python-docs (the
 tutorial, HOWTOs, FAQ, library, language and usage references of Debian python3.11-doc, HTML
 turned into text: prose with examples) and fortunes (Debian fortunes: quotations, jokes,
@@ -69,15 +73,25 @@ import numpy as np
 HELD_PLAYS = ("the-tempest.md", "twelfth-night.md")
 
 
-def split_corpus(out: str, source: str) -> None:
-    """Any text file as the corpus: its last tenth (cut at a line end) is held out."""
+def split_corpus(out: str, source: str, samples: str = None) -> None:
+    """Any text file as the corpus: its last tenth (cut at a line end) is held out. The
+    original's samples (`powerinfer sample`), if given, follow the training part."""
     os.makedirs(out, exist_ok=True)
     text = Path(source).read_text(errors="replace")
     cut = text.find("\n", int(len(text) * 0.9))
     cut = cut if cut > 0 else int(len(text) * 0.9)
-    Path(out, "train.txt").write_text(text[:cut])
+    extra = _sample_docs(samples) if samples else []
+    Path(out, "train.txt").write_text("\n\n".join([text[:cut]] + extra))
     Path(out, "heldout.txt").write_text(text[cut:])
-    print(f"corpus: {source}; train {cut} chars, held out {len(text) - cut} chars")
+    print(f"corpus: {source}; train {cut} chars + {len(extra)} samples of the original, held out "
+          f"{len(text) - cut} chars")
+
+
+def _sample_docs(path: str) -> list:
+    """The texts of a `powerinfer sample` file, non-empty ones."""
+    from powerinfer_py.pipeline.sample import read_samples
+
+    return [r["text"] for r in read_samples(path)[1] if r["text"].strip()]
 
 
 def _kjv():
@@ -134,6 +148,7 @@ MIX_DEFAULT_CHARS = 1_800_000
 MIX_DEFAULT_HELDOUT = 300_000
 MIX_MAX_DOC = 12_000
 MIX_NGRAM = 10
+MIX_SAMPLES_MAX_REPEAT = 4  # the original's samples, fewer than a share, are repeated up to this
 EXIT_MISSING = 75  # EX_TEMPFAIL: a needed package is missing and could not be installed
 STDLIB = "/usr/lib/python3.11"
 STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings",
@@ -485,7 +500,12 @@ MIX_HELDOUT = (
 )
 
 
-def build_corpus_mix(out: str) -> None:
+def build_corpus_mix(out: str, samples: str = None) -> None:
+    """The training mix (MIX_TRAIN, a share of each) and the held-out domains (MIX_HELDOUT,
+    cleaned of paragraphs sharing a run of words with train.txt). SAMPLES: the original's
+    own text (`powerinfer sample`, data-free distillation), one more training domain; as
+    it is costly to make, it is usually under a share, and is then repeated (at most
+    MIX_SAMPLES_MAX_REPEAT times) towards one."""
     t0 = time.time()
     cap = int(os.environ.get("MIX_CHARS_PER_SOURCE", MIX_DEFAULT_CHARS))
     held_cap = int(os.environ.get("MIX_HELDOUT_CHARS", MIX_DEFAULT_HELDOUT))
@@ -522,6 +542,13 @@ def build_corpus_mix(out: str) -> None:
                 docs += _take(_deb_listings(seed), min(rest, cap // 2))
         train[name] = docs
         _log(f"train {name}: {len(docs)} documents, {sum(map(len, docs))} chars ({time.time() - t:.1f} s)")
+    repeat = 0
+    if samples:
+        docs = _sample_docs(samples)
+        chars = sum(map(len, docs))
+        repeat = max(1, min(MIX_SAMPLES_MAX_REPEAT, round(cap / max(chars, 1))))
+        train["original-samples"] = docs * repeat
+        _log(f"train original-samples: {len(docs)} samples, {chars} chars, written {repeat} times")
     mixed = [d for docs in train.values() for d in docs]
     random.Random(seed).shuffle(mixed)
     (out_dir / "train.txt").write_text("\n\n".join(mixed))
@@ -554,6 +581,10 @@ def build_corpus_mix(out: str) -> None:
         "overlap_check": f"held-out paragraphs sharing a run of {MIX_NGRAM} words with train.txt dropped",
         "domains": [{"domain": name, "split": "train", "file": "train.txt", "source": src,
                      "chars": sum(map(len, train[name])), "documents": len(train[name])} for name, src in MIX_TRAIN]
+        + ([{"domain": "original-samples", "split": "train", "file": "train.txt",
+             "source": f"`powerinfer sample` of the original: {os.path.basename(samples)} (generic prompts, no "
+                       "evaluation text)", "repeat": repeat, "chars": sum(map(len, train["original-samples"])),
+             "documents": len(train["original-samples"])}] if samples else [])
         + [{"domain": name, "split": "heldout", "file": f"heldout/{name}.txt", "source": src,
             "chars": held[name][0], "paragraphs_dropped_as_shared_with_train": held[name][1]}
            for name, src in MIX_HELDOUT]
@@ -662,12 +693,12 @@ if __name__ == "__main__":
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
     if sys.argv[1] == "corpus" and len(sys.argv) > 3:
-        split_corpus(sys.argv[2], sys.argv[3])
+        split_corpus(sys.argv[2], sys.argv[3], *sys.argv[4:5])
     elif sys.argv[1] == "corpus":
         build_corpus(sys.argv[2])
-    elif sys.argv[1] == "corpus-mix" and len(sys.argv) == 3:
+    elif sys.argv[1] == "corpus-mix" and len(sys.argv) in (3, 4):
         try:
-            build_corpus_mix(sys.argv[2])
+            build_corpus_mix(sys.argv[2], *sys.argv[3:4])
         except MissingPackage as e:
             print(f"corpus-mix: {e}", file=sys.stderr)
             sys.exit(EXIT_MISSING)

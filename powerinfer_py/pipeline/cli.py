@@ -3,6 +3,7 @@
     powerinfer profile MODEL --corpus FILE...          count activations, sample predictor data
     powerinfer train-predictor --samples DIR --out DIR train per-layer predictors
     powerinfer convert INPUT --out OUT.powerinfer.gguf HF dir / GGUF -> PowerInfer GGUF
+    powerinfer sample MODEL.gguf --out F.jsonl --n-tokens N   the model's own text (data-free distillation)
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf   SiLU -> sparse ReLU (needs torch)
     powerinfer calibrate MODEL.gguf --corpus FILE... --out OUT.gguf  SiLU gate thresholds (training-free)
     powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
@@ -26,6 +27,7 @@ COMMANDS = {
     "profile": ("powerinfer_py.pipeline.profile", "run the engine over a corpus: activation counts, predictor samples"),
     "train-predictor": ("powerinfer_py.pipeline.train_predictor", "train per-layer low-rank activation predictors"),
     "convert": ("powerinfer_py.pipeline.convert", "HF safetensors dir or GGUF -> PowerInfer GGUF (PWRI)"),
+    "sample": ("powerinfer_py.pipeline.sample", "text sampled from a model for data-free distillation (prompts: generic topics)"),
     "relufy": ("powerinfer_py.pipeline.relufy", "replace SiLU by ReLU and fine-tune for sparsity (needs torch)"),
     "calibrate": ("powerinfer_py.pipeline.calibrate", "training-free gate thresholds for SiLU models (CATS-style)"),
     "place": ("powerinfer_py.pipeline.place", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
