@@ -591,3 +591,38 @@ def test_relufy_distillation_pulls_towards_the_original(tiny, tmp_path):
     assert cli.main(base + ["--steps", "1", "--distill", "0.5"]) == 0
     assert cli.main(base + ["--steps", "2", "--resume"]) == 1
     assert cli.main(base + ["--steps", "2", "--distill", "1.5"]) == 1
+
+
+def test_sample_is_deterministic_and_reads_as_corpus(smollm2_path, tmp_path, capsys):
+    """`powerinfer sample`: the file depends only on its arguments (each batched stream
+    equals its solo run and sample i has seed SEED + i), whatever --parallel; its texts
+    read as a corpus; bad arguments and bad files end with an error, not a traceback."""
+    from powerinfer_py.pipeline.common import PipelineError, read_corpus
+    from powerinfer_py.pipeline.sample import prompts, read_samples
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base = [smollm2_path, "--n-tokens", "160", "--max-tokens", "40", "--threads", "2"]
+    assert cli.main(["sample", *base, "--out", str(a), "--parallel", "1"]) == 0
+    assert cli.main(["sample", *base, "--out", str(b), "--parallel", "3"]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    head, recs = read_samples(str(a))
+    assert head["n_tokens"] == 160 and [r["i"] for r in recs] == list(range(len(recs)))
+    assert sum(r["n_tokens"] for r in recs) >= 160 > sum(r["n_tokens"] for r in recs[:-1])
+    assert all(r["n_tokens"] <= 40 and r["text"] for r in recs)
+    assert [(r["kind"], r["prompt"]) for r in recs] == prompts(len(recs), 0)
+    assert {r["kind"] for r in recs} == {"chat", "text"}
+    corpus = read_corpus([str(a)])
+    assert corpus == ["\n\n".join(r["text"] for r in recs)]
+    # kept as it is when the settings match
+    mtime = a.stat().st_mtime_ns
+    assert cli.main(["sample", *base, "--out", str(a), "--skip-existing"]) == 0
+    assert a.stat().st_mtime_ns == mtime and "kept" in capsys.readouterr().err
+    assert prompts(5, 0) == prompts(40, 0)[:5]  # a longer run extends a shorter one's prompts
+    for bad in (["--n-tokens", "0"], ["--parallel", "65"]):
+        assert cli.main(["sample", smollm2_path, "--out", str(tmp_path / "x.jsonl"), "--n-tokens", "10", *bad]) == 1
+    assert cli.main(["sample", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "x.jsonl"), "--n-tokens", "10"]) == 1
+    assert not (tmp_path / "x.jsonl").exists()
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"not": "samples"}\n')
+    with pytest.raises(PipelineError, match="not a `powerinfer sample` file"):
+        read_corpus([str(junk)])

@@ -35,10 +35,17 @@ def same_file(a, b) -> bool:
 
 
 def read_corpus(files: Sequence[str]) -> List[str]:
+    """The texts of the corpus files: plain text, or the samples of a `powerinfer sample`
+    .jsonl file (its texts joined by blank lines)."""
     texts = []
     for f in files:
         if not os.path.isfile(f):
             raise PipelineError(f"corpus file {f}: no such file")
+        if f.endswith(".jsonl"):
+            from .sample import read_samples
+
+            texts.append("\n\n".join(r["text"] for r in read_samples(f)[1]))
+            continue
         texts.append(Path(f).read_text(errors="replace"))
     if not any(t.strip() for t in texts):
         raise PipelineError("the corpus is empty")
