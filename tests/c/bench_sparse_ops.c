@@ -323,19 +323,21 @@ int main(int argc, char ** argv) {
             // The AXPY row is timed over every row: make the index list full for it.
             int32_t * saved = NULL;
             if (op == AXPY_DOWN_T) {
-                saved = malloc(sizeof(int32_t) * (size_t) (n_ff + PI_INDEX_EXTRA) * n_layer);
-                int32_t * all = calloc((size_t) (n_ff + PI_INDEX_EXTRA), sizeof(int32_t));
+                // the whole list: count, rows, work counters, then every row's token mask
+                saved = malloc(sizeof(int32_t) * (size_t) PI_INDEX_LEN(n_ff) * n_layer);
+                int32_t * all = calloc((size_t) PI_INDEX_LEN(n_ff), sizeof(int32_t));
                 all[0] = (int32_t) n_ff;
                 for (int64_t i = 0; i < n_ff; ++i) all[1 + i] = (int32_t) i;
+                for (int64_t i = 0; i < n_ff; ++i) all[n_ff + PI_INDEX_EXTRA + i] = -1;
                 for (int il = 0; il < n_layer; ++il) {
-                    ggml_backend_tensor_get(L[il].idx, saved + (size_t) il * (n_ff + PI_INDEX_EXTRA), 0, ggml_nbytes(L[il].idx));
+                    ggml_backend_tensor_get(L[il].idx, saved + (size_t) il * PI_INDEX_LEN(n_ff), 0, ggml_nbytes(L[il].idx));
                     ggml_backend_tensor_set(L[il].idx, all, 0, ggml_nbytes(L[il].idx));
                 }
                 free(all);
             }
             const double dt = run(be, gf, reps);
             if (saved) {
-                for (int il = 0; il < n_layer; ++il) ggml_backend_tensor_set(L[il].idx, saved + (size_t) il * (n_ff + PI_INDEX_EXTRA), 0, ggml_nbytes(L[il].idx));
+                for (int il = 0; il < n_layer; ++il) ggml_backend_tensor_set(L[il].idx, saved + (size_t) il * PI_INDEX_LEN(n_ff), 0, ggml_nbytes(L[il].idx));
                 free(saved);
             }
             printf("| %s | %d | %.3f | %.2f | %.1f |\n", names[op], T, 1e3 * dt / n_layer, bytes / dt / 1e9, T / dt);
