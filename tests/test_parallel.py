@@ -112,6 +112,30 @@ def test_cell_layout_does_not_change_a_sequence(smol_model, smol_llama):
             np.testing.assert_array_equal(a, b)
 
 
+def test_cells_out_of_position_order_do_not_change_a_sequence(smol_model, smol_llama):
+    """A sequence that reaches the end of a full cache continues in a hole left before its
+    earlier cells (cells out of position order): batch-invariant attention sums each
+    token's cells in position order, so the logits equal a run whose cells are in order,
+    bit for bit."""
+    t = smol_llama.tokenize(b"def fibonacci(n):")
+    with _ctx(smol_model) as c:
+        ref = _greedy(c, 1, t, 8)
+    with _ctx(smol_model, n_ctx=256) as c:
+        size = c.n_ctx()
+        c.decode_batch([7, 8, 9, 10, 11, 12], [2] * 6, [False] * 5 + [True])  # cells 0-5: sequence 2
+        c.decode_batch(t, [1] * len(t), [False] * (len(t) - 1) + [True])  # sequence 1 after them
+        got = [c.logits().copy()]
+        fill = size - 6 - len(t) - 2  # sequence 3 up to the last 2 cells
+        c.decode_batch([300 + i % 50 for i in range(fill)], [3] * fill, [False] * (fill - 1) + [True])
+        c.kv_seq_rm(2)  # cells 0-5 free: after the last 2 cells, sequence 1 continues there
+        for _ in range(8):
+            c.decode_batch([int(got[-1].argmax())], [1], [True])
+            got.append(c.logits().copy())
+        assert c.kv_used_cells() == size
+        for step, (a, b) in enumerate(zip(ref, got)):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+
+
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invariant):
     """ggml's CPU flash attention tiles batches of 64 query rows or more, and splits a single

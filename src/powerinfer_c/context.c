@@ -68,6 +68,9 @@ static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx)
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
+        // Batch-invariant contexts (the parallel slots) attend with pi_attention; its op
+        // runs on the CPU, where the cache is.
+        .invariant_attn = ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched,
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
@@ -397,6 +400,43 @@ struct pi_ubatch {
     int32_t                  n_outputs;
 };
 
+static int cmp_cell_pos(const void * a, const void * b, void * kv_) {
+    const struct pi_kv_cache * kv = kv_;
+    const int32_t ca = *(const int32_t *) a, cb = *(const int32_t *) b;
+    const int32_t pa = kv->cell_pos[ca], pb = kv->cell_pos[cb];
+    return pa != pb ? (pa < pb ? -1 : 1) : (ca > cb) - (ca < cb);
+}
+
+// Invariant attention's input: per token, the number of cells it sees, then those cells
+// in position order (the order pi_attention sums them in, wherever they sit).
+static int32_t set_cells(struct powerinfer_context * ctx, struct ggml_tensor * t, const struct pi_ubatch * ub, int32_t n_kv) {
+    const size_t row = (size_t) n_kv + 1;
+    int32_t rc = ensure_scratch(ctx, row * ub->n_tokens * sizeof(int32_t));
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const struct pi_kv_cache * kv = &ctx->kv;
+    for (int32_t i = 0; i < ub->n_tokens; ++i) {
+        int32_t * list = (int32_t *) ctx->scratch + (size_t) i * row;
+        const uint64_t bit = 1ull << ub->seq[i];
+        const int32_t  p   = ub->pos[i];
+        int32_t n = 0;
+        bool sorted = true;
+        for (int32_t j = 0; j < n_kv; ++j) {
+            if ((kv->cell_seq[j] & bit) && kv->cell_pos[j] <= p) {
+                sorted &= n == 0 || kv->cell_pos[list[n]] < kv->cell_pos[j];
+                list[1 + n++] = j;
+            }
+        }
+        list[0] = n;
+        if (!sorted) {
+            qsort_r(list + 1, (size_t) n, sizeof(int32_t), cmp_cell_pos, (void *) kv);
+        }
+    }
+    ggml_backend_tensor_set(t, ctx->scratch, 0, ggml_nbytes(t));
+    return POWERINFER_OK;
+}
+
 // Token i (position pos_i of sequence s_i) sees cell j when s_i sees the cell and it holds
 // a position <= pos_i: causal attention within each sequence, nothing across sequences.
 static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * mask, const struct pi_ubatch * ub, int32_t n_kv) {
@@ -432,6 +472,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
+        // Batch-invariant contexts (the parallel slots) attend with pi_attention; its op
+        // runs on the CPU, where the cache is.
+        .invariant_attn = ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched,
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .capture    = ctx->capture.enabled,
@@ -500,7 +543,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     if (in.out_ids) {
         ggml_backend_tensor_set(in.out_ids, ub->out_idx, 0, (size_t) n_outputs * sizeof(int32_t));
     }
-    if ((rc = set_mask(ctx, in.kq_mask, ub, gp.n_kv)) != POWERINFER_OK) {
+    if ((rc = in.kv_cells ? set_cells(ctx, in.kv_cells, ub, gp.n_kv) : set_mask(ctx, in.kq_mask, ub, gp.n_kv)) != POWERINFER_OK) {
         return rc;
     }
 

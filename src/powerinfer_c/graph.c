@@ -259,7 +259,10 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
     struct ggml_tensor * kk = ggml_view_3d(ctx, kc, head, gp->n_kv, hp->n_head_kv,
                                            kc->nb[1], ggml_row_size(kc->type, head), 0);
     struct ggml_tensor * cur;
-    if (gp->flash_attn) {
+    if (gp->invariant_attn) {
+        cur = pi_attention(ctx, q, kc, vc, in->kv_cells, hp->n_head_kv, kq_scale);
+        cur = ggml_reshape_2d(ctx, cur, head * hp->n_head, n_tokens);
+    } else if (gp->flash_attn) {
         struct ggml_tensor * vv = ggml_view_3d(ctx, vc, head, gp->n_kv, hp->n_head_kv,
                                                vc->nb[1], ggml_row_size(vc->type, head), 0);
         cur = ggml_flash_attn_ext(ctx, qp, kk, vv, kq_mask, kq_scale, 0.0f, 0.0f);
@@ -293,9 +296,16 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     in->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
     ggml_set_name(in->pos, "inp_pos");
     ggml_set_input(in->pos);
-    in->kq_mask = ggml_new_tensor_2d(ctx, gp->flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, gp->n_kv, n_tokens);
-    ggml_set_name(in->kq_mask, "inp_kq_mask");
-    ggml_set_input(in->kq_mask);
+    in->kq_mask = in->kv_cells = NULL;
+    if (gp->invariant_attn) {
+        in->kv_cells = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1 + gp->n_kv, n_tokens);
+        ggml_set_name(in->kv_cells, "inp_kv_cells");
+        ggml_set_input(in->kv_cells);
+    } else {
+        in->kq_mask = ggml_new_tensor_2d(ctx, gp->flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, gp->n_kv, n_tokens);
+        ggml_set_name(in->kq_mask, "inp_kq_mask");
+        ggml_set_input(in->kq_mask);
+    }
     in->k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     ggml_set_name(in->k_idxs, "inp_k_idxs");
     ggml_set_input(in->k_idxs);

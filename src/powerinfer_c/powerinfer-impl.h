@@ -326,7 +326,9 @@ void    pi_kv_set_prefix_of_seq0(struct pi_kv_cache * kv, int32_t n_pos);
 struct pi_graph_inputs {
     struct ggml_tensor * tokens;   // I32 [n_tokens]
     struct ggml_tensor * pos;      // I32 [n_tokens]
-    struct ggml_tensor * kq_mask;  // F32/F16 [n_kv, n_tokens]
+    struct ggml_tensor * kq_mask;  // F32/F16 [n_kv, n_tokens]; NULL with invariant attention
+    struct ggml_tensor * kv_cells; // I32 [1 + n_kv, n_tokens], invariant attention only: each token's count of
+                                   // visible cells, then those cells in position order
     struct ggml_tensor * out_ids;  // I32 [n_outputs], NULL when every row is an output
     struct ggml_tensor * k_idxs;   // I64 [n_tokens]: cache cell of each token
     struct ggml_tensor * v_idxs;   // I64 [n_embd_kv * n_tokens] (transposed V: one index per element), else NULL
@@ -342,11 +344,19 @@ struct pi_graph_params {
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // rows with logits: 1..n_tokens
     bool    flash_attn;
+    bool    invariant_attn;  // pi_attention (attention.c) instead of ggml's: batch-invariant contexts
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
     bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
     bool    first_token; // the chunk holds a sequence's position 0: every FFN neuron (see build_ffn)
 };
+
+// Attention of q [d, n_head, n_tokens] over the f16 caches kc, vc [d * n_head_kv, size]:
+// each token over its own cells (cells: I32 [1 + n_kv, n_tokens], count then cell ids in
+// position order), fp32 throughout; the result [d, n_head, n_tokens] does not depend on the
+// rest of the batch or on where the cells sit (attention.c).
+struct ggml_tensor * pi_attention(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * kc,
+                                  struct ggml_tensor * vc, struct ggml_tensor * cells, int64_t n_head_kv, float scale);
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
                                     const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
