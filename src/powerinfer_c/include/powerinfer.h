@@ -111,9 +111,10 @@ struct powerinfer_context_params {
                                // neurons is read; each token uses its own); larger batches run dense. < 0: the
                                // measured default (docs/formats.md); at most 32
     uint32_t n_seq_max;        // sequences the KV cache can hold (powerinfer_decode_batch); 0 or 1: one, at most 64
-    bool     batch_invariant;  // ggml's reference CPU kernels for attention and K-quant matmuls (no tiling, no
-                               // split over the cache): a token's result then does not depend on the rest of its
-                               // batch or on where its sequence's cells sit (docs/parallel.md); default false
+    bool     batch_invariant;  // ggml's reference CPU kernels for K-quant matmuls (no tiling) and, with flash_attn,
+                               // the core's own attention (each token over its own cells in position order): a
+                               // token's result then does not depend on the rest of its batch or on where its
+                               // sequence's cells sit (docs/parallel.md); default false
 };
 
 // A batch of tokens of one or more sequences, with llama_batch's meaning (one sequence
