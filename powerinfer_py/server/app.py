@@ -8,7 +8,9 @@ closed, and a client that disconnects mid-stream closes it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import collections
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 try:
     import anyio
@@ -518,16 +520,108 @@ class _ModelEventSourceResponse(EventSourceResponse):
             self._on_close()
 
 
+class _StreamPump:
+    """Runs a stream's generator in a thread of its own and hands its chunks to the event
+    loop through a queue, so a generation never waits for the event loop to ask for its
+    next chunk: with several streams batched together, a slot queues its next token as
+    soon as it has sampled the last one, instead of after a round trip through the loop
+    (a thread hop each way per token, behind every other stream's chunks). The loop takes
+    every chunk that has arrived at once and sends them in one write.
+
+    The generator is only ever advanced and closed by the pump's thread. stop() (from the
+    loop) sets the cancel event, which the thread reads before each chunk, and waits for
+    it to close the generator: a stream stops at most one token after its client left.
+    """
+
+    _QUEUE = 64  # chunks a slow reader may fall behind before the generation waits for it
+
+    def __init__(self, iterator: Iterator[Any], cancelled: threading.Event):
+        self._it = iterator
+        self._cancelled = cancelled
+        self._loop = asyncio.get_running_loop()
+        self._cond = threading.Condition()
+        self._items: Deque[Tuple[str, Any]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._waiting = False  # the loop waits for items (under _cond)
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="powerinfer-stream", daemon=True)
+        self._thread.start()
+
+    def _put(self, kind: str, value: Any) -> None:
+        with self._cond:
+            while len(self._items) >= self._QUEUE and not self._cancelled.is_set():
+                self._cond.wait()
+            self._items.append((kind, value))
+            wake, self._waiting = self._waiting, False
+        if wake:
+            self._notify()
+
+    def _notify(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._cancelled.is_set():
+                chunk = next(self._it, _END)
+                if chunk is _END:
+                    self._put("end", None)
+                    break
+                self._put("chunk", chunk)
+        except _GenerationCancelled:
+            pass
+        except BaseException as exc:  # reported in the stream
+            self._put("error", exc)
+        finally:
+            try:
+                close = getattr(self._it, "close", None)
+                if close is not None:
+                    close()
+            except Exception as exc:  # never let cleanup keep the slot
+                print(f"powerinfer_py.server: closing a stream failed: {exc!r}", file=sys.stderr)
+            with self._cond:
+                self._done = True
+                wake, self._waiting = self._waiting, False
+            if wake:
+                self._notify()
+
+    async def take(self) -> List[Tuple[str, Any]]:
+        """Every item that has arrived, waiting for one; [] once the thread has ended."""
+        while True:
+            with self._cond:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    self._cond.notify_all()
+                    return items
+                if self._done:
+                    return []
+                self._waiting = True
+                self._wake.clear()
+            await self._wake.wait()
+
+    async def stop(self) -> None:
+        self._cancelled.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._thread.join)
+
+
 async def _stream_response(
     request: Request,
     body: Union[CreateCompletionRequest, CreateChatCompletionRequest],
     kwargs: Dict[str, Any],
     method: str,
 ) -> Response:
-    """Start a streamed completion under the model lock.
+    """Start a streamed completion under the model lock (or on a slot).
 
     The generator is created and its first chunk computed before the response starts,
-    so a request the model rejects (context too long, bad grammar) still gets a 4xx.
+    so a request the model rejects (context too long, bad grammar) still gets a 4xx; the
+    rest comes through a _StreamPump.
     """
     state = _state(request)
     try:
@@ -535,17 +629,13 @@ async def _stream_response(
     except Exception as exc:
         return _error_response(_error_from_exception(exc, body))
     iterator: Optional[Iterator[Any]] = None
-    closed = False
+    cancelled = threading.Event()
+    handed_over = False  # the pump owns the iterator from then on
 
     def close() -> None:
-        # Closing the generator runs its cleanup; it is idle here (every next() ran to
-        # completion, as worker threads are not abandoned on cancellation).
-        nonlocal closed
-        if closed:
-            return
-        closed = True
+        # Before the pump starts: close the (idle) generator here and free the model.
         try:
-            if iterator is not None and hasattr(iterator, "close"):
+            if not handed_over and iterator is not None and hasattr(iterator, "close"):
                 iterator.close()
         except Exception as exc:  # never let cleanup keep the lock
             print(f"powerinfer_py.server: closing a stream failed: {exc!r}", file=sys.stderr)
@@ -555,6 +645,8 @@ async def _stream_response(
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
+        # No _CancelGeneration processor: the pump checks `cancelled` between chunks, one
+        # token apart (a Python processor would also copy every logits row).
         _prepare_kwargs(llama, body, kwargs)
         result = await run_in_threadpool(lambda: getattr(llama, method)(**kwargs))
         if isinstance(result, dict):
@@ -567,12 +659,23 @@ async def _stream_response(
             return _error_response(_error_from_exception(exc, body))
         raise
 
+    def event(chunk: Any) -> bytes:
+        return b"data: " + _dumps(chunk).encode() + b"\n\n"
+
     async def events():
-        chunk, sent, outcome = first, 0, "disconnected"
+        nonlocal handed_over
+        sent, outcome = 0, "disconnected"
+        pump: Optional[_StreamPump] = None
         try:
-            while chunk is not _END:
-                yield {"data": _dumps(chunk)}
-                sent += 1
+            if first is _END:
+                outcome = "completed"
+                yield b"data: [DONE]\n\n"
+                return
+            yield event(first)
+            sent = 1
+            handed_over = True
+            pump = _StreamPump(iterator, cancelled)
+            while True:
                 if await request.is_disconnected():
                     print(
                         f"powerinfer_py.server: client {request.client} disconnected; stream stopped",
@@ -581,16 +684,27 @@ async def _stream_response(
                     return
                 if state.settings.interrupt_requests and state.requests_waiting():
                     outcome = "interrupted"
-                    yield {"data": "[DONE]"}
+                    yield b"data: [DONE]\n\n"
                     return
-                chunk = await run_in_threadpool(next, iterator, _END)
-            outcome = "completed"
-            yield {"data": "[DONE]"}
-        except Exception as exc:
-            # Headers are sent: report in the stream, as OpenAI does, and end it.
-            outcome = "failed"
-            yield {"data": _dumps({"error": _error_from_exception(exc, body).body})}
+                items = await pump.take()
+                out: List[bytes] = []
+                for kind, value in items:
+                    if kind == "chunk":
+                        out.append(event(value))
+                        sent += 1
+                    elif kind == "end":
+                        outcome = "completed"
+                        out.append(b"data: [DONE]\n\n")
+                    else:  # headers are sent: report in the stream, as OpenAI does, and end it
+                        outcome = "failed"
+                        out.append(event({"error": _error_from_exception(value, body).body}))
+                if out:
+                    yield b"".join(out)
+                if outcome != "disconnected" or not items:
+                    return
         finally:
+            if pump is not None:
+                await pump.stop()
             state.record_stream(outcome, sent)
             close()
 
