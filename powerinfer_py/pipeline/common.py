@@ -4,17 +4,18 @@ progress bar."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._core import Model
 from .._progress import Progress
 
-__all__ = ["PipelineError", "Progress", "read_corpus", "run_cli", "same_file", "tokenize_texts"]
+__all__ = ["PipelineError", "Progress", "read_corpus", "read_samples", "run_cli", "same_file", "tokenize_texts"]
 
 
 class PipelineError(ValueError):
@@ -34,6 +35,19 @@ def same_file(a, b) -> bool:
     return os.path.abspath(a) == os.path.abspath(b) or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
+def read_samples(path: str) -> Tuple[Dict, List[Dict]]:
+    """(settings header, records) of a file written by `powerinfer sample`."""
+    try:
+        lines = Path(path).read_text().splitlines()
+        head = json.loads(lines[0])["powerinfer_samples"] if lines else None
+        recs = [json.loads(ln) for ln in lines[1:] if ln.strip()]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise PipelineError(f"{path}: not a `powerinfer sample` file ({e})") from None
+    if not isinstance(head, dict) or not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in recs):
+        raise PipelineError(f"{path}: not a `powerinfer sample` file")
+    return head, recs
+
+
 def read_corpus(files: Sequence[str]) -> List[str]:
     """The texts of the corpus files: plain text, or the samples of a `powerinfer sample`
     .jsonl file (its texts joined by blank lines)."""
@@ -42,8 +56,6 @@ def read_corpus(files: Sequence[str]) -> List[str]:
         if not os.path.isfile(f):
             raise PipelineError(f"corpus file {f}: no such file")
         if f.endswith(".jsonl"):
-            from .sample import read_samples
-
             texts.append("\n\n".join(r["text"] for r in read_samples(f)[1]))
             continue
         texts.append(Path(f).read_text(errors="replace"))

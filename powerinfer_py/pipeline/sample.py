@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .common import PipelineError, Progress, run_cli
+from .common import PipelineError, Progress, read_samples, run_cli
 
 TOPICS = (
     "cooking dinner for friends", "the ocean", "a job interview", "friendship", "learning to drive",
@@ -103,19 +103,6 @@ def _settings(model_path: str, n_tokens: int, max_tokens: int, seed: int) -> Dic
     return {"model": os.path.abspath(model_path), "model_bytes": st.st_size, "n_tokens": n_tokens,
             "max_tokens": max_tokens, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": seed,
             "prompts": "powerinfer_py.pipeline.sample v1"}
-
-
-def read_samples(path: str) -> Tuple[Dict, List[Dict]]:
-    """(settings header, records) of a file written by `powerinfer sample`."""
-    try:
-        lines = Path(path).read_text().splitlines()
-        head = json.loads(lines[0])["powerinfer_samples"] if lines else None
-        recs = [json.loads(ln) for ln in lines[1:] if ln.strip()]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise PipelineError(f"{path}: not a `powerinfer sample` file ({e})") from None
-    if not isinstance(head, dict) or not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in recs):
-        raise PipelineError(f"{path}: not a `powerinfer sample` file")
-    return head, recs
 
 
 def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_parallel: int = 8, seed: int = 0,
