@@ -89,7 +89,7 @@ def split_corpus(out: str, source: str, samples: str = None) -> None:
 
 def _sample_docs(path: str) -> list:
     """The texts of a `powerinfer sample` file, non-empty ones."""
-    from powerinfer_py.pipeline.sample import read_samples
+    from powerinfer_py.pipeline.common import read_samples
 
     return [r["text"] for r in read_samples(path)[1] if r["text"].strip()]
 

@@ -14,8 +14,8 @@ Each sample answers one prompt:
   template; the sample is the opener and its continuation.
 None of the prompts quotes any evaluation text.
 
-Sampling: temperature 1 and top-p 0.95 (the model's own distribution, its far tail cut),
-at most --max-tokens per sample; sample i uses seed SEED + i. Samples are generated
+Sampling: temperature 0.8, top-p 0.95 and top-k 100 (the model's own distribution, its
+far tail cut), at most --max-tokens per sample; sample i uses seed SEED + i. Samples are generated
 --parallel at a time in one batch (ParallelLlama with the packed kernels), and each
 stream equals its solo run, so the output depends only on the arguments. Samples are
 kept in index order until their completion tokens reach --n-tokens.
@@ -34,7 +34,6 @@ import json
 import os
 import random
 import sys
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -102,7 +101,7 @@ def _settings(model_path: str, n_tokens: int, max_tokens: int, seed: int) -> Dic
     st = os.stat(model_path)
     return {"model": os.path.abspath(model_path), "model_bytes": st.st_size, "n_tokens": n_tokens,
             "max_tokens": max_tokens, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": seed,
-            "prompts": "powerinfer_py.pipeline.sample v1"}
+            "prompts": "powerinfer_py.pipeline.sample v2"}
 
 
 def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_parallel: int = 8, seed: int = 0,
@@ -128,8 +127,7 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
     llm = Llama(model_path=model_path, n_ctx=max_tokens + 128, repack=False, pack_dense=True, verbose=False, **kw)
     # Enough prompts for the shortest plausible samples; more are made if they run out.
     todo = prompts(max(64, 4 * n_tokens // 16), seed)
-    done: Dict[int, Dict] = {}
-    lock = threading.Lock()
+    done: Dict[int, Dict] = {}  # written by this thread only, from the finished futures
     bar = Progress("sample", n_tokens, progress, fmt=lambda n: f"{n} tokens")
 
     def one(i: int, pool: ParallelLlama) -> Dict:
@@ -140,8 +138,8 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
                                                 temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, min_p=0.0, seed=seed + i)
                 text = r["choices"][0]["message"]["content"] or ""
             else:
-                r = slot.create_completion(prompt, max_tokens=max_tokens, temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
-                                           min_p=0.0, seed=seed + i)
+                r = slot.create_completion(prompt, max_tokens=max_tokens, temperature=TEMPERATURE, top_p=TOP_P,
+                                           top_k=TOP_K, min_p=0.0, seed=seed + i)
                 text = prompt + r["choices"][0]["text"]
         return {"i": i, "kind": kind, "prompt": prompt, "text": text.strip(),
                 "n_tokens": int(r["usage"]["completion_tokens"])}
@@ -169,8 +167,7 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
             finished, running = wait(running, return_when=FIRST_COMPLETED)
             for f in finished:
                 rec = f.result()
-                with lock:
-                    done[rec["i"]] = rec
+                done[rec["i"]] = rec
         for f in running:
             f.cancel()
         wait(running)
