@@ -529,15 +529,15 @@ class _StreamPump:
     every chunk that has arrived at once and sends them in one write.
 
     The generator is only ever advanced and closed by the pump's thread. stop() (from the
-    loop) sets the cancel event, which the thread reads before each chunk, and waits for
-    it to close the generator: a stream stops at most one token after its client left.
+    loop) sets the pump's cancel flag, which the thread reads before each chunk, and waits
+    for it to close the generator: a stream stops at most one token after its client left.
     """
 
     _QUEUE = 64  # chunks a slow reader may fall behind before the generation waits for it
 
-    def __init__(self, iterator: Iterator[Any], cancelled: threading.Event):
+    def __init__(self, iterator: Iterator[Any]):
         self._it = iterator
-        self._cancelled = cancelled
+        self._cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._cond = threading.Condition()
         self._items: Deque[Tuple[str, Any]] = collections.deque()
@@ -570,8 +570,6 @@ class _StreamPump:
                     self._put("end", None)
                     break
                 self._put("chunk", chunk)
-        except _GenerationCancelled:
-            pass
         except BaseException as exc:  # reported in the stream
             self._put("error", exc)
         finally:
@@ -629,7 +627,6 @@ async def _stream_response(
     except Exception as exc:
         return _error_response(_error_from_exception(exc, body))
     iterator: Optional[Iterator[Any]] = None
-    cancelled = threading.Event()
     handed_over = False  # the pump owns the iterator from then on
 
     def close() -> None:
@@ -645,7 +642,7 @@ async def _stream_response(
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
-        # No _CancelGeneration processor: the pump checks `cancelled` between chunks, one
+        # No _CancelGeneration processor: the pump checks its cancel flag between chunks, one
         # token apart (a Python processor would also copy every logits row).
         _prepare_kwargs(llama, body, kwargs)
         result = await run_in_threadpool(lambda: getattr(llama, method)(**kwargs))
@@ -674,7 +671,7 @@ async def _stream_response(
             yield event(first)
             sent = 1
             handed_over = True
-            pump = _StreamPump(iterator, cancelled)
+            pump = _StreamPump(iterator)
             while True:
                 if await request.is_disconnected():
                     print(
