@@ -120,17 +120,15 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const uint32_t bits = (uint32_t) (uintptr_t) userdata;
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
-    // Per thread: the group's queries, one K/V row and the group's scores over the cells.
-    float * buf = malloc(sizeof(float) * (size_t) (group * d + d + group * n_kv));
-    GGML_ASSERT(buf);
-    float * qs = buf, * row = buf + group * d, * sc = row + d;
+    // Per thread: one K/V row as fp32 and the group's scores over the cells.
+    float * row = malloc(sizeof(float) * (size_t) (d + group * n_kv));
+    GGML_ASSERT(row);
+    float * sc = row + d;
     for (int64_t w = ith; w < n_tokens * n_head_kv; w += nth) {
         const int64_t t = w / n_head_kv, g = w % n_head_kv;
         const int32_t * list = (const int32_t *) ((const char *) cells->data + t * cells->nb[1]);
         const int32_t n = list[0];
-        for (int64_t j = 0; j < group; ++j) {
-            memcpy(qs + j * d, (const char *) q->data + (g * group + j) * q->nb[1] + t * q->nb[2], sizeof(float) * (size_t) d);
-        }
+        const char * qt = (const char *) q->data + t * q->nb[2] + g * group * q->nb[1];  // the group's first query
         float * out = (float *) ((char *) dst->data + t * dst->nb[2]) + g * group * d;
         memset(out, 0, sizeof(float) * (size_t) (group * d));
         if (n <= 0) {
@@ -139,7 +137,7 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
         for (int32_t i = 0; i < n; ++i) {
             load_row(kc, list[1 + i], g, d, row);
             for (int64_t j = 0; j < group; ++j) {
-                sc[j * n + i] = scale * dot(qs + j * d, row, d);
+                sc[j * n + i] = scale * dot((const float *) (qt + j * q->nb[1]), row, d);
             }
         }
         for (int64_t j = 0; j < group; ++j) {
@@ -152,7 +150,7 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
             }
         }
     }
-    free(buf);
+    free(row);
 }
 
 struct ggml_tensor * pi_attention(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * kc,

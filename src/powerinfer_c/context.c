@@ -61,6 +61,12 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
     return gf;
 }
 
+// Batch-invariant contexts (the parallel slots) attend with pi_attention; its op runs on
+// the CPU, where the cache is.
+static bool invariant_attn(const struct powerinfer_context * ctx) {
+    return ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched;
+}
+
 // The largest graph of this context: n_batch tokens over the whole cache.
 static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx) {
     struct pi_graph_params gp = {
@@ -68,9 +74,7 @@ static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx)
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
-        // Batch-invariant contexts (the parallel slots) attend with pi_attention; its op
-        // runs on the CPU, where the cache is.
-        .invariant_attn = ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched,
+        .invariant_attn = invariant_attn(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
     };
@@ -400,6 +404,12 @@ struct pi_ubatch {
     int32_t                  n_outputs;
 };
 
+// Token (sequence bit `bit`, position p) sees cell j when its sequence sees the cell and
+// the cell holds a position <= p: causal attention within each sequence, nothing across.
+static inline bool cell_visible(const struct pi_kv_cache * kv, int32_t j, uint64_t bit, int32_t p) {
+    return (kv->cell_seq[j] & bit) && kv->cell_pos[j] <= p;
+}
+
 static int cmp_cell_pos(const void * a, const void * b, void * kv_) {
     const struct pi_kv_cache * kv = kv_;
     const int32_t ca = *(const int32_t *) a, cb = *(const int32_t *) b;
@@ -423,7 +433,7 @@ static int32_t set_cells(struct powerinfer_context * ctx, struct ggml_tensor * t
         int32_t n = 0;
         bool sorted = true;
         for (int32_t j = 0; j < n_kv; ++j) {
-            if ((kv->cell_seq[j] & bit) && kv->cell_pos[j] <= p) {
+            if (cell_visible(kv, j, bit, p)) {
                 sorted &= n == 0 || kv->cell_pos[list[n]] < kv->cell_pos[j];
                 list[1 + n++] = j;
             }
@@ -437,8 +447,7 @@ static int32_t set_cells(struct powerinfer_context * ctx, struct ggml_tensor * t
     return POWERINFER_OK;
 }
 
-// Token i (position pos_i of sequence s_i) sees cell j when s_i sees the cell and it holds
-// a position <= pos_i: causal attention within each sequence, nothing across sequences.
+// The attention mask: 0 where token i sees cell j (cell_visible), -inf elsewhere.
 static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * mask, const struct pi_ubatch * ub, int32_t n_kv) {
     const size_t n = (size_t) n_kv * ub->n_tokens;
     int32_t rc = ensure_scratch(ctx, n * sizeof(float));
@@ -452,7 +461,7 @@ static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * ma
         const uint64_t bit = 1ull << ub->seq[i];
         const int32_t  p   = ub->pos[i];
         for (int32_t j = 0; j < n_kv; ++j) {
-            const bool on = (kv->cell_seq[j] & bit) && kv->cell_pos[j] <= p;
+            const bool on = cell_visible(kv, j, bit, p);
             if (f16) ((ggml_fp16_t *) ctx->scratch)[(size_t) i * n_kv + j] = on ? zero16 : ninf16;
             else     ctx->scratch[(size_t) i * n_kv + j] = on ? 0.0f : -INFINITY;
         }
@@ -472,9 +481,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
-        // Batch-invariant contexts (the parallel slots) attend with pi_attention; its op
-        // runs on the CPU, where the cache is.
-        .invariant_attn = ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched,
+        .invariant_attn = invariant_attn(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .capture    = ctx->capture.enabled,

@@ -255,14 +255,15 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
     struct ggml_tensor * kq_mask = in->kq_mask;
 
     const float kq_scale = 1.0f / sqrtf((float) head);
+    if (gp->invariant_attn) {
+        return ggml_reshape_2d(ctx, pi_attention(ctx, q, kc, vc, in->kv_cells, hp->n_head_kv, kq_scale),
+                               head * hp->n_head, n_tokens);
+    }
     struct ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [head, n_tokens, n_head]
     struct ggml_tensor * kk = ggml_view_3d(ctx, kc, head, gp->n_kv, hp->n_head_kv,
                                            kc->nb[1], ggml_row_size(kc->type, head), 0);
     struct ggml_tensor * cur;
-    if (gp->invariant_attn) {
-        cur = pi_attention(ctx, q, kc, vc, in->kv_cells, hp->n_head_kv, kq_scale);
-        cur = ggml_reshape_2d(ctx, cur, head * hp->n_head, n_tokens);
-    } else if (gp->flash_attn) {
+    if (gp->flash_attn) {
         struct ggml_tensor * vv = ggml_view_3d(ctx, vc, head, gp->n_kv, hp->n_head_kv,
                                                vc->nb[1], ggml_row_size(vc->type, head), 0);
         cur = ggml_flash_attn_ext(ctx, qp, kk, vv, kq_mask, kq_scale, 0.0f, 0.0f);
