@@ -19,47 +19,116 @@
 #include <immintrin.h>
 #endif
 
-// Row `cell`, KV head `g`, of a [n_embd_kv, size] f16 cache, as fp32.
-static inline void load_row(const struct ggml_tensor * c, int64_t cell, int64_t g, int64_t d, float * out) {
-    const ggml_fp16_t * src = (const ggml_fp16_t *) ((const char *) c->data + cell * c->nb[1]) + g * d;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= d; i += 16) {
-        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (src + i))));
-    }
-#endif
-    for (; i < d; ++i) {
-        out[i] = ggml_fp16_to_fp32(src[i]);
+// Cells are taken in blocks of PI_ATTN_BLOCK: a block's K (then V) rows are turned into
+// fp32 once, in a buffer that stays in L1, and the next block's rows are prefetched while
+// this one is used, so the loop waits on neither the conversion nor DRAM latency (the
+// rows of one sequence's cells sit a whole cache row apart).
+#define PI_ATTN_BLOCK 16
+#define PI_ATTN_PREFETCH 64  // rows ahead
+
+// The K rows of the token's cells and then its V rows form one stream of 2n rows, read in
+// order; this prefetches rows [from, from + count) of it.
+static inline void prefetch_stream(const struct ggml_tensor * kc, const struct ggml_tensor * vc, const int32_t * cells, int32_t n,
+                                   int32_t from, int32_t count, int64_t g, int64_t d) {
+    const size_t bytes = (size_t) d * sizeof(ggml_fp16_t);
+    const int32_t end = from + count < 2 * n ? from + count : 2 * n;
+    for (int32_t s = from; s < end; ++s) {
+        const struct ggml_tensor * c = s < n ? kc : vc;
+        const char * p = (const char *) c->data + cells[s < n ? s : s - n] * c->nb[1] + g * bytes;
+        for (size_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(p + o, 0, 3);
+        }
     }
 }
 
-static inline float dot(const float * a, const float * b, int64_t d) {
-    int64_t i = 0;
-    float   s = 0.0f;
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= d; i += 16) {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+// r[c] = the sum of the 16 lanes of v[c], c = 0..15, in one fixed order (pairs of lanes,
+// then pairs of those, then across the four 128-bit quarters).
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 u[8], x[4];
+    for (int k = 0; k < 8; ++k) {
+        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
     }
-    s = _mm512_reduce_add_ps(acc);
+    for (int m = 0; m < 4; ++m) {
+        const __m512d a = _mm512_castps_pd(u[2 * m]), b = _mm512_castps_pd(u[2 * m + 1]);
+        x[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
 #endif
-    for (; i < d; ++i) {
-        s += a[i] * b[i];
+
+// buf[c * dv + k] <- row cells[c], KV head g, element k of the f16 cache c as fp32, for
+// c < n; elements d..dv are zero.
+static void load_block(const struct ggml_tensor * c, const int32_t * cells, int32_t n, int64_t g, int64_t d, int64_t dv, float * buf) {
+    for (int32_t r = 0; r < n; ++r) {
+        const ggml_fp16_t * src = (const ggml_fp16_t *) ((const char *) c->data + cells[r] * c->nb[1]) + g * d;
+        float * out = buf + (size_t) r * dv;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= d; i += 16) {
+            _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (src + i))));
+        }
+#endif
+        for (; i < d; ++i) {
+            out[i] = ggml_fp16_to_fp32(src[i]);
+        }
+        for (; i < dv; ++i) {
+            out[i] = 0.0f;
+        }
     }
-    return s;
 }
 
-static inline void axpy(float * y, const float * x, float a, int64_t d) {
-    int64_t i = 0;
+// s[c] <- scale * (q . buf row c), c < n <= PI_ATTN_BLOCK.
+static void block_scores(const float * q, const float * buf, int32_t n, int64_t d, int64_t dv, float scale, float * s) {
 #if defined(__AVX512F__)
-    const __m512 va = _mm512_set1_ps(a);
-    for (; i + 16 <= d; i += 16) {
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), va, _mm512_loadu_ps(y + i)));
+    __m512 acc[PI_ATTN_BLOCK];
+    for (int32_t c = 0; c < PI_ATTN_BLOCK; ++c) {
+        acc[c] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < dv; k += 16) {
+        const __mmask16 m  = d - k >= 16 ? 0xFFFF : (__mmask16) ((1u << (d - k)) - 1);
+        const __m512    qk = _mm512_maskz_loadu_ps(m, q + k);
+        for (int32_t c = 0; c < n; ++c) {
+            acc[c] = _mm512_fmadd_ps(qk, _mm512_loadu_ps(buf + (size_t) c * dv + k), acc[c]);
+        }
+    }
+    const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16) ((1u << n) - 1);
+    _mm512_mask_storeu_ps(s, m, _mm512_mul_ps(_mm512_set1_ps(scale), sum16(acc)));
+#else
+    (void) dv;
+    for (int32_t c = 0; c < n; ++c) {
+        float a = 0.0f;
+        for (int64_t k = 0; k < d; ++k) {
+            a += q[k] * buf[(size_t) c * dv + k];
+        }
+        s[c] = scale * a;
     }
 #endif
-    for (; i < d; ++i) {
-        y[i] += a * x[i];
+}
+
+// out[0..d) += sum over c < n of p[c] * buf row c, adding the cells in order.
+static void block_mix(float * out, const float * p, const float * buf, int32_t n, int64_t d, int64_t dv) {
+#if defined(__AVX512F__)
+    for (int64_t k = 0; k < dv; k += 16) {
+        const __mmask16 m = d - k >= 16 ? 0xFFFF : (__mmask16) ((1u << (d - k)) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(m, out + k);
+        for (int32_t c = 0; c < n; ++c) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[c]), _mm512_loadu_ps(buf + (size_t) c * dv + k), a);
+        }
+        _mm512_mask_storeu_ps(out + k, m, a);
     }
+#else
+    for (int64_t k = 0; k < d; ++k) {
+        float a = out[k];
+        for (int32_t c = 0; c < n; ++c) {
+            a += p[c] * buf[(size_t) c * dv + k];
+        }
+        out[k] = a;
+    }
+    (void) dv;
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -120,37 +189,44 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const uint32_t bits = (uint32_t) (uintptr_t) userdata;
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
-    // Per thread: one K/V row as fp32 and the group's scores over the cells.
-    float * row = malloc(sizeof(float) * (size_t) (d + group * n_kv));
-    GGML_ASSERT(row);
-    float * sc = row + d;
+    // Per thread: one block of rows as fp32 and the group's scores over the cells.
+    const int64_t dv = (d + 15) / 16 * 16, n_pad = (n_kv + 15) / 16 * 16;
+    float * buf = malloc(sizeof(float) * (size_t) (PI_ATTN_BLOCK * dv + group * n_pad));
+    GGML_ASSERT(buf);
+    float * sc = buf + PI_ATTN_BLOCK * dv;
     for (int64_t w = ith; w < n_tokens * n_head_kv; w += nth) {
         const int64_t t = w / n_head_kv, g = w % n_head_kv;
         const int32_t * list = (const int32_t *) ((const char *) cells->data + t * cells->nb[1]);
         const int32_t n = list[0];
+        const int32_t * cl = list + 1;
         const char * qt = (const char *) q->data + t * q->nb[2] + g * group * q->nb[1];  // the group's first query
         float * out = (float *) ((char *) dst->data + t * dst->nb[2]) + g * group * d;
         memset(out, 0, sizeof(float) * (size_t) (group * d));
         if (n <= 0) {
             continue;  // no cell to attend (cannot happen for a decoded token: it sees itself)
         }
-        for (int32_t i = 0; i < n; ++i) {
-            load_row(kc, list[1 + i], g, d, row);
+        prefetch_stream(kc, vc, cl, n, 0, PI_ATTN_PREFETCH, g, d);
+        for (int32_t i0 = 0; i0 < n; i0 += PI_ATTN_BLOCK) {
+            const int32_t nb = n - i0 < PI_ATTN_BLOCK ? n - i0 : PI_ATTN_BLOCK;
+            prefetch_stream(kc, vc, cl, n, i0 + PI_ATTN_PREFETCH, nb, g, d);
+            load_block(kc, cl + i0, nb, g, d, dv, buf);
             for (int64_t j = 0; j < group; ++j) {
-                sc[j * n + i] = scale * dot((const float *) (qt + j * q->nb[1]), row, d);
+                block_scores((const float *) (qt + j * q->nb[1]), buf, nb, d, dv, scale, sc + j * n_pad + i0);
             }
         }
         for (int64_t j = 0; j < group; ++j) {
-            softmax(sc + j * n, n);
+            softmax(sc + j * n_pad, n);
         }
-        for (int32_t i = 0; i < n; ++i) {
-            load_row(vc, list[1 + i], g, d, row);
+        for (int32_t i0 = 0; i0 < n; i0 += PI_ATTN_BLOCK) {
+            const int32_t nb = n - i0 < PI_ATTN_BLOCK ? n - i0 : PI_ATTN_BLOCK;
+            prefetch_stream(kc, vc, cl, n, n + i0 + PI_ATTN_PREFETCH, nb, g, d);
+            load_block(vc, cl + i0, nb, g, d, dv, buf);
             for (int64_t j = 0; j < group; ++j) {
-                axpy(out + j * d, row, sc[j * n + i], d);
+                block_mix(out + j * d, sc + j * n_pad + i0, buf, nb, d, dv);
             }
         }
     }
-    free(row);
+    free(buf);
 }
 
 struct ggml_tensor * pi_attention(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * kc,
