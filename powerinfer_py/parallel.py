@@ -25,6 +25,9 @@ Design (docs/parallel.md):
 - Prompt cache: a slot keeps its last sequence in the cache; a new generation on a slot
   first takes over the longest prefix of its prompt held by any idle slot (cells are
   shared, not copied), then decodes only the rest.
+- Every step runs on the engine thread. Before it starts, the pool hands back the OpenMP
+  worker pool of the thread that made it (powerinfer_release_threads): with two such pools
+  on the CPUs libgomp's barriers sleep and steps run 2-3x slower (docs/parallel.md).
 - `Llama` itself stays single-sequence, as upstream.
 """
 
@@ -39,7 +42,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from ._core import Context, PowerInferError
+from ._core import Context, PowerInferError, release_threads
 from .llama import Llama
 
 __all__ = ["ParallelLlama"]
@@ -208,6 +211,9 @@ class ParallelLlama:
             "prompt_tokens_reused": 0,  # prompt tokens found in the cache (own or adopted prefix)
             "requests": 0,  # slots handed out
         }
+        # A Llama that computed on this thread keeps an OpenMP pool here; the engine's own
+        # would make two (see the module docstring).
+        release_threads()
         self._engine = threading.Thread(target=self._run, name="powerinfer-batch", daemon=True)
         self._engine.start()
 

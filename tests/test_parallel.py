@@ -506,3 +506,20 @@ def test_invariant_attention_matches_ggml_attention(smol_model, smol_llama):
     assert mean_pi < 0.015 and mean_pi < 1.5 * mean_flash + 0.001, (mean_pi, mean_flash)
     assert np.percentile(kl["pi"], 99) < 0.05
     assert np.mean(same) >= 0.95
+
+
+def test_release_threads_then_compute_again(smol_model, smol_llama):
+    """powerinfer_release_threads hands back the calling thread's OpenMP pool (the ggml here
+    is built with OpenMP); the next graph makes a new one and computes the same logits."""
+    from powerinfer_py._core import release_threads
+
+    t = smol_llama.tokenize(b"The capital of France is")
+    with _ctx(smol_model, n_seq=1) as c:
+        c.decode_batch(t, [0] * len(t), [False] * (len(t) - 1) + [True])
+        first = c.logits().copy()
+        assert release_threads() is True
+        c.kv_seq_rm(0)
+        c.decode_batch(t, [0] * len(t), [False] * (len(t) - 1) + [True])
+        np.testing.assert_array_equal(c.logits(), first)
+        assert release_threads() is True  # twice in a row, and with no pool: fine
+        assert release_threads() is True

@@ -353,6 +353,36 @@ def test_interleaved_requests_do_not_leak(live):
         assert text == alone[prompt], prompt
 
 
+def test_all_model_work_runs_on_the_model_thread(live):
+    """Every decode of a one-slot server (streamed and whole completions, embeddings) runs
+    on its one model thread. With a thread per stream or request libgomp keeps an OpenMP
+    pool per thread, and past one pool per CPU its barriers sleep (docs/parallel.md)."""
+    ctx = live.state.proxy.current._ctx
+    threads = set()
+    original = ctx.decode
+
+    def decode(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    ctx.decode = decode
+    try:
+        def request(kind: str) -> None:
+            with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+                if kind == "embedding":
+                    r = c.post("/v1/embeddings", json={"input": "a river of stones"})
+                else:
+                    r = c.post("/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 4,
+                                                        "stream": kind == "stream", **GREEDY})
+                assert r.status_code == 200, r.text
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            list(pool.map(request, ["stream", "whole", "embedding"] * 2))
+    finally:
+        del ctx.decode
+    assert threads == {"powerinfer-model"}
+
+
 def test_sixteen_concurrent_streaming_chats_with_openai_client(live):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", timeout=300, max_retries=0)

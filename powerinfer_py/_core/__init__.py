@@ -10,9 +10,9 @@ powerinfer_py outside it (import-linter contracts in pyproject.toml). Importing 
 loads libpowerinfer.
 """
 
-from .context import Context
+from .context import Context, release_threads
 from .errors import PowerInferError, core_error
 from .model import SPARSE_MODES, Model
 from .sampler import Sampler
 
-__all__ = ["Context", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error"]
+__all__ = ["Context", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]

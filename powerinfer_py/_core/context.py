@@ -22,6 +22,14 @@ from .handle import Handle
 from .model import Model
 
 
+def release_threads() -> bool:
+    """Hand back the calling thread's OpenMP worker pool (powerinfer_release_threads):
+    call it on a thread that computed and is done computing for a while, so that the
+    thread that computes next does not share the CPUs with a second pool (libgomp's
+    barriers then sleep: 2-3x slower graphs). False: ggml has no OpenMP runtime here."""
+    return bool(lib.powerinfer_release_threads())
+
+
 def context_params(**fields: Any):
     """struct powerinfer_context_params: the core's defaults with `fields` set by name."""
     params = lib.powerinfer_context_default_params()

@@ -1,9 +1,16 @@
 """The FastAPI app of `powerinfer_py.server`: OpenAI-compatible routes over one Llama.
 
-Routes and request bodies follow `llama_cpp.server` 0.3.36. All model work runs in worker
-threads while the request holds the app's model lock, so requests are served one at a
-time, in arrival order; a streaming response holds the lock until its generator is
-closed, and a client that disconnects mid-stream closes it.
+Routes and request bodies follow `llama_cpp.server` 0.3.36. All model work runs on one
+model thread (_ModelThread) while the request holds the app's model lock, so requests are
+served one at a time, in arrival order; a streaming response holds the lock until its
+generator is closed, and a client that disconnects mid-stream closes it. With
+--n_parallel > 1 completions run on the slots of a ParallelLlama instead, whose engine
+thread computes every step.
+
+One thread, not a pool of them: libgomp keeps an OpenMP worker pool for every thread that
+has run a graph, and once there are more of them than CPUs its barriers sleep instead of
+spinning, which makes every graph 2-3x slower (a stream whose first token came from one
+worker thread and the rest from another ran at 37 instead of 90 tokens/s).
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import concurrent.futures
 import json
 import os
+import queue
 import re
 import sys
 import threading
@@ -40,6 +49,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import __version__
+from .._core import release_threads
 from .model import ModelProxy
 from .settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from .types import (
@@ -208,6 +218,61 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 # ---------------------------------------------------------------------------- model lock
 
 
+class _ModelThread:
+    """The thread that runs model work, one job at a time (see the module docstring).
+
+    A daemon thread, as the stream threads were: a job stuck on a gone client never
+    holds the process up at exit. With release_after (a server whose steps run on a
+    ParallelLlama's engine) each job hands back the OpenMP pool it made, if it computed
+    (embeddings on the base Llama), so that the engine's stays the only one."""
+
+    def __init__(self, release_after: bool = False):
+        self._jobs: "queue.SimpleQueue[Tuple[concurrent.futures.Future, Callable[..., Any], tuple]]" = queue.SimpleQueue()
+        self._release_after = release_after
+        self._thread = threading.Thread(target=self._work, name="powerinfer-model", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the awaiting request
+                future.set_exception(exc)
+            finally:
+                if self._release_after:
+                    release_threads()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the thread; like run_in_threadpool, a cancelled request still
+        waits for it (the model lock must not be released while the model works)."""
+        future = self.submit(fn, *args)
+        with anyio.CancelScope(shield=True):
+            return await asyncio.wrap_future(future)
+
+
+def _start_thread(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
+    """fn() on a new daemon thread; the future completes when it returns."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class ServerState:
     """What the routes share: settings, the model proxy, the slots and the lock.
 
@@ -237,6 +302,7 @@ class ServerState:
             raise ValueError("--n_parallel > 1 serves one model; the config names several")
         self.proxy: Optional[ModelProxy] = None
         self.pool: Any = None
+        self.model_thread = _ModelThread(release_after=self.n_parallel > 1)
         self.load_error: Optional[BaseException] = None
         self.started = time.time()
         self._lock = anyio.Semaphore(1, max_value=1)
@@ -299,7 +365,7 @@ class ServerState:
         if self.pool is None:
             release = await self.acquire()
             try:
-                return await run_in_threadpool(proxy, model), release
+                return await self.model_thread.run(proxy, model), release
             except BaseException:
                 release()
                 raise
@@ -330,6 +396,19 @@ class ServerState:
 
         return release
 
+    async def run_generation(self, fn: Callable[[], Any]) -> Any:
+        """A completion's work: on the model thread, or with slots on a worker thread of
+        its own (slots step together; their decodes run on the pool's engine)."""
+        if self.pool is None:
+            return await self.model_thread.run(fn)
+        return await run_in_threadpool(fn)
+
+    def start_pump(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """A stream's pump loop: on the model thread, or with slots on a thread of its own."""
+        if self.pool is None:
+            return self.model_thread.submit(fn)
+        return _start_thread(fn, "powerinfer-stream")
+
     def record_stream(self, outcome: str, chunks: int) -> None:
         self.stats[f"streams_{outcome}"] += 1
         self.stats["chunks_streamed"] += chunks
@@ -342,7 +421,7 @@ def _state(request: Request) -> ServerState:
 
 async def _get_llama(state: ServerState, model: Optional[str]):
     # The proxy may load a model (seconds): do it off the event loop.
-    return await run_in_threadpool(state.require_proxy(), model)
+    return await state.model_thread.run(state.require_proxy(), model)
 
 
 # ---------------------------------------------------------------------------- request -> kwargs
@@ -521,21 +600,22 @@ class _ModelEventSourceResponse(EventSourceResponse):
 
 
 class _StreamPump:
-    """Runs a stream's generator in a thread of its own and hands its chunks to the event
-    loop through a queue, so a generation never waits for the event loop to ask for its
-    next chunk: with several streams batched together, a slot queues its next token as
-    soon as it has sampled the last one, instead of after a round trip through the loop
-    (a thread hop each way per token, behind every other stream's chunks). The loop takes
-    every chunk that has arrived at once and sends them in one write.
+    """Runs a stream's generator off the event loop (on the model thread, or with slots on
+    a thread of its own: ServerState.start_pump) and hands its chunks to the loop through
+    a queue, so a generation never waits for the event loop to ask for its next chunk:
+    with several streams batched together, a slot queues its next token as soon as it has
+    sampled the last one, instead of after a round trip through the loop (a thread hop
+    each way per token, behind every other stream's chunks). The loop takes every chunk
+    that has arrived at once and sends them in one write.
 
-    The generator is only ever advanced and closed by the pump's thread. stop() (from the
-    loop) sets the pump's cancel flag, which the thread reads before each chunk, and waits
-    for it to close the generator: a stream stops at most one token after its client left.
+    The generator is only ever advanced and closed by the pump's loop. stop() (from the
+    event loop) sets the pump's cancel flag, which the pump reads before each chunk, and
+    waits for it to close the generator: a stream stops at most one token after its client left.
     """
 
     _QUEUE = 64  # chunks a slow reader may fall behind before the generation waits for it
 
-    def __init__(self, iterator: Iterator[Any]):
+    def __init__(self, iterator: Iterator[Any], start: Callable[[Callable[[], Any]], concurrent.futures.Future]):
         self._it = iterator
         self._cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
@@ -544,8 +624,7 @@ class _StreamPump:
         self._wake = asyncio.Event()
         self._waiting = False  # the loop waits for items (under _cond)
         self._done = False
-        self._thread = threading.Thread(target=self._run, name="powerinfer-stream", daemon=True)
-        self._thread.start()
+        self._finished = start(self._run)  # ServerState.start_pump
 
     def _put(self, kind: str, value: Any) -> None:
         with self._cond:
@@ -604,9 +683,9 @@ class _StreamPump:
         self._cancelled.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread.is_alive():
+        if not self._finished.done():
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._thread.join)
+                await asyncio.wrap_future(self._finished)
 
 
 async def _stream_response(
@@ -645,11 +724,11 @@ async def _stream_response(
         # No _CancelGeneration processor: the pump checks its cancel flag between chunks, one
         # token apart (a Python processor would also copy every logits row).
         _prepare_kwargs(llama, body, kwargs)
-        result = await run_in_threadpool(lambda: getattr(llama, method)(**kwargs))
+        result = await state.run_generation(lambda: getattr(llama, method)(**kwargs))
         if isinstance(result, dict):
             raise RuntimeError(f"Llama.{method}(stream=True) returned a complete response, not chunks")
         iterator = iter(result)
-        first = await run_in_threadpool(next, iterator, _END)
+        first = await state.run_generation(lambda: next(iterator, _END))
     except BaseException as exc:
         close()
         if isinstance(exc, Exception):
@@ -671,7 +750,7 @@ async def _stream_response(
             yield event(first)
             sent = 1
             handed_over = True
-            pump = _StreamPump(iterator)
+            pump = _StreamPump(iterator, state.start_pump)
             while True:
                 if await request.is_disconnected():
                     print(
@@ -779,7 +858,7 @@ async def _run_until_disconnect(request: Request, cancelled: threading.Event, fn
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(_set_on_disconnect, request, cancelled)
         try:
-            result = await run_in_threadpool(fn)
+            result = await _state(request).run_generation(fn)
         except Exception as exc:  # raised below, not as an ExceptionGroup of the task group
             error = exc
         tasks.cancel_scope.cancel()
@@ -817,7 +896,7 @@ async def create_embedding(request: Request, body: CreateEmbeddingRequest) -> Re
                 "to use /v1/embeddings",
                 code="embeddings_disabled",
             )
-        result = await run_in_threadpool(lambda: llama.create_embedding(input=body.input, model=body.model))
+        result = await state.model_thread.run(lambda: llama.create_embedding(input=body.input, model=body.model))
     except Exception as exc:
         return _error_response(_error_from_exception(exc, body))
     finally:
@@ -950,7 +1029,7 @@ async def _with_model(request: Request, model: Optional[str], fn: Callable[[Any]
     release = await state.acquire()
     try:
         llama = await _get_llama(state, model)
-        return await run_in_threadpool(fn, llama)
+        return await state.model_thread.run(fn, llama)
     except APIError:
         raise
     except Exception as exc:

@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
 
 #define PI_DEFAULT_N_BATCH 512u
 #define PI_MAX_N_CTX       (1u << 22)
@@ -445,6 +448,41 @@ static int32_t set_cells(struct powerinfer_context * ctx, struct ggml_tensor * t
     }
     ggml_backend_tensor_set(t, ctx->scratch, 0, ggml_nbytes(t));
     return POWERINFER_OK;
+}
+
+// omp_pause_resource_all of the libgomp that ggml-cpu loaded, if any (looked up, not linked:
+// a ggml built without OpenMP has none).
+typedef int (*pi_omp_pause_fn)(int kind);
+static pi_omp_pause_fn g_omp_pause;
+static pthread_once_t  g_omp_pause_once = PTHREAD_ONCE_INIT;
+
+// The first loaded object named libgomp* (the system's libgomp.so.1, or a copy a wheel bundles).
+static int find_gomp(struct dl_phdr_info * info, size_t size, void * data) {
+    (void) size;
+    const char * slash = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    const char * base  = slash ? slash + 1 : info->dlpi_name;
+    if (base && strncmp(base, "libgomp", 7) == 0) {
+        *(void **) data = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD);
+        return *(void **) data != NULL;
+    }
+    return 0;
+}
+
+static void find_omp_pause(void) {
+    void * h = NULL;
+    dl_iterate_phdr(find_gomp, &h);
+    if (h) {
+        g_omp_pause = (pi_omp_pause_fn) dlsym(h, "omp_pause_resource_all");
+    }
+}
+
+int32_t powerinfer_release_threads(void) {
+    pthread_once(&g_omp_pause_once, find_omp_pause);
+    if (!g_omp_pause) {
+        return 0;
+    }
+    g_omp_pause(1);  // omp_pause_soft
+    return 1;
 }
 
 // The attention mask: 0 where token i sees cell j (cell_visible), -inf elsewhere.

@@ -258,6 +258,17 @@ POWERINFER_API int32_t powerinfer_kv_seq_rm(struct powerinfer_context * ctx, int
 POWERINFER_API int32_t powerinfer_kv_seq_cp(struct powerinfer_context * ctx, int32_t src, int32_t dst, int32_t p0, int32_t p1);
 // Every sequence but seq is forgotten.
 POWERINFER_API int32_t powerinfer_kv_seq_keep(struct powerinfer_context * ctx, int32_t seq);
+
+// ---- threads -----------------------------------------------------------------------------
+// ggml's CPU backend runs a graph on an OpenMP team (libgomp). libgomp keeps a pool of worker
+// threads for every thread that has started a team, and once it manages more threads than
+// there are CPUs its barriers sleep instead of spinning: a graph then runs 2-3x slower. So a
+// thread that computed once and will not compute again for a while (a request's worker, the
+// caller of a one-off decode before batching moves to another thread) should hand its
+// pool back. Frees the calling thread's pool (omp_pause_resource_all, soft); its next
+// compute makes a new one. Returns 1 if a pool was handed back or none existed, 0 when the
+// loaded ggml has no OpenMP runtime (nothing to do).
+POWERINFER_API int32_t powerinfer_release_threads(void);
 // Cells of the KV cache in use (shared cells count once).
 POWERINFER_API int32_t powerinfer_kv_used_cells(const struct powerinfer_context * ctx);
 // The largest batch that takes the sparse FFN path in this context (sparse_max_batch resolved).
