@@ -195,6 +195,7 @@ class ParallelLlama:
         self._dense = llama.sparse_mode_in_use() == "dense"
         self._ctx_lock = threading.Lock()  # the context: decode and KV edits
         self._slots = [_Slot(self, llama, i, self.n_ctx_slot) for i in range(n_parallel)]
+        self._row_buffers = [np.empty((1, self.n_vocab), dtype=np.float32) for _ in range(n_parallel)]
         self._free: Deque[int] = collections.deque(range(n_parallel))  # idle longest first
         self._slot_cond = threading.Condition()
         self._n_waiting = 0
@@ -371,7 +372,8 @@ class ParallelLlama:
                     k = 0
                     for r in ready:
                         n = len(r.tokens) if r.logits_all else 1
-                        r.logits = rows[k : k + n].copy()
+                        r.logits = self._rows_of(r.seq, n)
+                        np.copyto(r.logits, rows[k : k + n])
                         k += n
             except BaseException as exc:
                 for r in ready:
@@ -386,6 +388,15 @@ class ParallelLlama:
             stats["tokens_generated" if len(r.tokens) == 1 else "tokens_prompt"] += len(r.tokens)
         for r in group:
             r.done.set()
+
+    def _rows_of(self, seq: int, n: int) -> np.ndarray:
+        """Where sequence seq's n logits rows of this step go. One row (a generation step)
+        reuses the sequence's buffer, as a Context reuses its own: the slot's view of the
+        previous row is valid until its next decode, which is this one (and a fresh
+        200-600 KB array per token is a fresh mmap, whose pages fault in one by one)."""
+        if n > 1:
+            return np.empty((n, self.n_vocab), dtype=np.float32)
+        return self._row_buffers[seq]
 
     # ---- observability and lifetime ----------------------------------------------------------
 

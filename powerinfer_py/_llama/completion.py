@@ -33,9 +33,11 @@ def _logit_bias_processor(logit_bias: Dict[Any, float], n_vocab: int):
     values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
 
     def logit_bias_processor(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        new_scores = np.copy(scores)
-        new_scores[ids] = scores[ids] + values
-        return new_scores
+        # In place: the sampler hands its processors a copy of its own (so does
+        # llama-cpp-python's, which writes the result back), and a new row per token
+        # would be a fresh, page-faulting allocation.
+        scores[ids] += values
+        return scores
 
     return logit_bias_processor
 
