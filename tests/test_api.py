@@ -624,3 +624,30 @@ def test_uninstall_restores_llama_cpp():
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_greedy_takes_the_first_of_equal_largest_logits(ours):
+    """A greedy chain with nothing before it takes the core's shortcut (an argmax over the
+    logits, no candidate array): the same rule as libllama's greedy sampler, the first
+    of the largest logits, which the full chain (here with a neutral-valued but present
+    repeat penalty, so the shortcut is off) also gives."""
+    from powerinfer_py._core import Sampler
+
+    class Rows:
+        def __init__(self, row):
+            self.row = row
+
+        def logits(self, i):
+            return self.row
+
+    n = ours.n_vocab()
+    rng = np.random.default_rng(0)
+    base = dict(seed=0, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, mirostat_mode=0,
+                mirostat_tau=5.0, mirostat_eta=0.1, penalty_last_n=64, frequency_penalty=0.0, presence_penalty=0.0)
+    for trial in range(5):
+        row = rng.standard_normal(n).astype(np.float32)
+        top = sorted(rng.choice(n, size=3, replace=False))
+        row[top] = row.max() + 1.0  # three equal maxima
+        for penalty in (1.0, 1.0000001):  # 1.0: greedy alone; else the penalty sampler first
+            s = Sampler(ours._model, repeat_penalty=penalty, **base)
+            assert s.sample(Rows(row), -1, np.zeros(0, dtype=np.intc)) == top[0], (trial, penalty)

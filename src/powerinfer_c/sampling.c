@@ -11,6 +11,7 @@ struct powerinfer_sampler {
     struct llama_sampler * chain;
     llama_token_data *     cand;    // n_vocab candidates, reused between calls
     int32_t                n_vocab;
+    bool                   greedy_only;  // the chain is the greedy sampler alone
     struct powerinfer_sampler_params params;
 };
 
@@ -103,6 +104,7 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
                                                                        p.penalty_freq, p.penalty_present));
     }
     if (p.temp <= 0.0f) {
+        s->greedy_only = llama_sampler_chain_n(s->chain) == 0;
         llama_sampler_chain_add(s->chain, llama_sampler_init_greedy());
     } else if (p.mirostat == 1) {
         llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
@@ -137,6 +139,17 @@ powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s,
     if (!s || !logits || n_vocab != s->n_vocab) {
         pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_sample_logits: expected %d logits", s ? s->n_vocab : 0);
         return -1;
+    }
+    if (s->greedy_only) {
+        // The greedy sampler's own rule (the first of the largest logits), without filling
+        // n_vocab candidates first: that was most of a greedy step's sampling (150k for Qwen).
+        int32_t best = 0;
+        for (int32_t i = 1; i < n_vocab; ++i) {
+            if (logits[i] > logits[best]) {
+                best = i;
+            }
+        }
+        return best;
     }
     for (int32_t i = 0; i < n_vocab; ++i) {
         s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };
