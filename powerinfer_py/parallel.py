@@ -295,7 +295,10 @@ class ParallelLlama:
             if self._closed:
                 raise RuntimeError("the ParallelLlama is closed")
             self._pending.append(request)
-            self._cond.notify_all()
+            # The engine waits for the first request (it starts the gathering) and for the
+            # last of the busy slots' (the step can start); the others need not wake it.
+            if len(self._pending) == 1 or len(self._pending) >= self.slots_busy:
+                self._cond.notify_all()
         request.done.wait()
         if request.error is not None:
             raise request.error
@@ -355,7 +358,8 @@ class ParallelLlama:
                 if r.pos > n_cached:
                     r.error = PowerInferError(f"position {r.pos} is past the {n_cached} cached positions of sequence {r.seq}")
                     continue
-                ctx.kv_seq_rm(r.seq, r.pos, -1)
+                if r.pos < n_cached:
+                    ctx.kv_seq_rm(r.seq, r.pos, -1)
                 ready.append(r)
             tokens: List[int] = []
             seqs: List[int] = []
