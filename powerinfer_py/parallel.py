@@ -322,7 +322,13 @@ class ParallelLlama:
                 groups = self._groups(self._pending)
                 self._pending = []
             for group in groups:
-                self._step(group)
+                try:
+                    self._step(group)
+                except BaseException as exc:  # a bug outside the decode: fail the step, keep the engine
+                    for r in group:
+                        if r.logits is None and r.error is None:
+                            r.error = exc
+                        r.done.set()
 
     def _groups(self, pending: List[_Request]) -> List[List[_Request]]:
         """The batches of one engine pass, in arrival order, one-token steps first. With a

@@ -364,6 +364,37 @@ def test_parallel_llama_errors(smol_llama):
     assert smol_llama.create_completion("Hi", max_tokens=2)["choices"]
 
 
+def test_parallel_llama_engine_survives_a_failing_step(smol_llama):
+    """An exception in a step outside the decode (here the cache query before it) fails that
+    step's requests instead of ending the engine thread, which would leave every later
+    request waiting forever."""
+    with ParallelLlama(smol_llama, n_parallel=2) as pool:
+        ctx = pool._ctx
+        original = ctx.kv_seq_pos_max
+
+        def broken(seq):
+            raise RuntimeError("injected fault")
+
+        ctx.kv_seq_pos_max = broken
+        errors = []
+
+        def complete() -> None:
+            with pool.slot() as slot:
+                try:
+                    slot.create_completion("Hello", max_tokens=2)
+                except RuntimeError as exc:
+                    errors.append(exc)
+
+        worker = threading.Thread(target=complete, daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        ctx.kv_seq_pos_max = original
+        assert not worker.is_alive(), "the request still waits: the engine thread died"
+        assert len(errors) == 1 and "injected fault" in str(errors[0])
+        with pool.slot() as slot:
+            assert slot.create_completion("Hello", max_tokens=2)["choices"][0]["text"]
+
+
 # ---- the server ------------------------------------------------------------------------------
 
 
