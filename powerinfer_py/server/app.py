@@ -238,9 +238,7 @@ class _ModelThread:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the awaiting request
-                future.set_exception(exc)
+                _complete(future, fn, *args)
             finally:
                 if self._release_after:
                     release_threads()
@@ -258,18 +256,19 @@ class _ModelThread:
             return await asyncio.wrap_future(future)
 
 
+def _complete(future: concurrent.futures.Future, fn: Callable[..., Any], *args: Any) -> None:
+    """Run fn(*args) for a running future: its result, or its exception for the awaiter."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
 def _start_thread(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
     """fn() on a new daemon thread; the future completes when it returns."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=_complete, args=(future, fn), name=name, daemon=True).start()
     return future
 
 
@@ -665,7 +664,7 @@ class _StreamPump:
                 self._notify()
 
     async def take(self) -> List[Tuple[str, Any]]:
-        """Every item that has arrived, waiting for one; [] once the thread has ended."""
+        """Every item that has arrived, waiting for one; [] once the pump has ended."""
         while True:
             with self._cond:
                 if self._items:

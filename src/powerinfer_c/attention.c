@@ -20,8 +20,8 @@
 #endif
 
 // Cells are taken in blocks of PI_ATTN_BLOCK: a block's K (then V) rows are turned into
-// fp32 once, in a buffer that stays in L1, and the next block's rows are prefetched while
-// this one is used, so the loop waits on neither the conversion nor DRAM latency (the
+// fp32 once, in a buffer that stays in L1, and the rows PI_ATTN_PREFETCH cells ahead are
+// prefetched meanwhile, so the loop waits on neither the conversion nor DRAM latency (the
 // rows of one sequence's cells sit a whole cache row apart).
 #define PI_ATTN_BLOCK 16
 #define PI_ATTN_PREFETCH 64  // rows ahead

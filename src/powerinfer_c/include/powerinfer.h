@@ -258,6 +258,10 @@ POWERINFER_API int32_t powerinfer_kv_seq_rm(struct powerinfer_context * ctx, int
 POWERINFER_API int32_t powerinfer_kv_seq_cp(struct powerinfer_context * ctx, int32_t src, int32_t dst, int32_t p0, int32_t p1);
 // Every sequence but seq is forgotten.
 POWERINFER_API int32_t powerinfer_kv_seq_keep(struct powerinfer_context * ctx, int32_t seq);
+// Cells of the KV cache in use (shared cells count once).
+POWERINFER_API int32_t powerinfer_kv_used_cells(const struct powerinfer_context * ctx);
+// The largest batch that takes the sparse FFN path in this context (sparse_max_batch resolved).
+POWERINFER_API int32_t powerinfer_sparse_max_batch(const struct powerinfer_context * ctx);
 
 // ---- threads -----------------------------------------------------------------------------
 // ggml's CPU backend runs a graph on an OpenMP team (libgomp). libgomp keeps a pool of worker
@@ -269,10 +273,6 @@ POWERINFER_API int32_t powerinfer_kv_seq_keep(struct powerinfer_context * ctx, i
 // compute makes a new one. Returns 1 if a pool was handed back or none existed, 0 when the
 // loaded ggml has no OpenMP runtime (nothing to do).
 POWERINFER_API int32_t powerinfer_release_threads(void);
-// Cells of the KV cache in use (shared cells count once).
-POWERINFER_API int32_t powerinfer_kv_used_cells(const struct powerinfer_context * ctx);
-// The largest batch that takes the sparse FFN path in this context (sparse_max_batch resolved).
-POWERINFER_API int32_t powerinfer_sparse_max_batch(const struct powerinfer_context * ctx);
 
 // Context state (cached positions, their keys/values, the last logits) as bytes.
 // powerinfer_state_size is exact for the current state; save returns the bytes written
