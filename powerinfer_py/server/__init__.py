@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over `powerinfer_py.Llama`: `python -m powerinfer_py.server`.
 
 A drop-in for `python -m llama_cpp.server` (same flags, routes and request bodies), on
-FastAPI + uvicorn + sse-starlette: install them with `pip install 'powerinfer-py[server]'`.
+FastAPI + uvicorn: install them with `pip install 'powerinfer-py[server]'`.
 `create_app` builds the ASGI app (`uvicorn --factory powerinfer_py.server.app:create_app`).
 """
 

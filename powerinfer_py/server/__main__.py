@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Type, Un
 
 _MISSING_EXTRA = (
     "powerinfer_py.server needs the 'server' extra ({missing} is missing):\n"
-    "    pip install 'powerinfer-py[server]'   # fastapi, uvicorn, sse-starlette, pydantic-settings"
+    "    pip install 'powerinfer-py[server]'   # fastapi, uvicorn, pydantic-settings"
 )
 
 
