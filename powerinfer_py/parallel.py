@@ -12,22 +12,29 @@ Design (docs/parallel.md):
   n_parallel * n_ctx cells; each slot is a `Llama` whose KV cache is one of those
   sequences, so everything a Llama does (completion, chat, streaming, logprobs, grammar,
   stop strings) works on a slot unchanged, and a slot keeps the full n_ctx of `llm`.
-- A slot's decode calls do not compute anything themselves: they queue their tokens and
-  wait. One engine thread takes every queued request, waits a moment for the other busy
-  slots to queue theirs (the previous step's duration at most), and computes them as one
-  batch (`powerinfer_decode_batch`): a step of 4 generating slots reads the weights once.
-  With pack_dense=True (what the server uses) the matmuls run on the packed kernels, which
-  also reuse each loaded weight for 4 batch columns and compute every column alone, so a
-  step of 4 costs about 2 steps of 1 and each stream equals its solo run bit for bit.
-  With a sparse model, batches above the context's sparse_max_batch would run the dense
-  FFN, so prompts are then computed apart from the one-token steps; each sequence gets
-  the result it would get alone (up to summation order, see docs/parallel.md).
+- The core's batcher (`powerinfer_batcher`, batcher.c) computes every decode: a thread of
+  its own turns what the slots ask for into one `powerinfer_decode_batch` per step, so a
+  step of 4 generating slots reads the weights once. With pack_dense=True (what the server
+  uses) the matmuls run on the packed kernels, which reuse each loaded weight for 4 batch
+  columns and compute every column alone: a step of 4 costs about 1.5 steps of 1 and each
+  stream equals its solo run bit for bit.
+- A slot's generation runs ahead in the core when the core can sample it alone (no Python
+  logits processor but a trailing logit bias, no stopping criteria, no logits of every
+  token): the batcher samples each token with the slot's sampler right after its row is
+  computed and decodes it in the next step, up to 16 tokens ahead of the slot's Python
+  code, which takes the tokens as it gets to them. Steps then never wait for Python.
+  Other generations run in lockstep: the slot samples in Python and each step waits for
+  the lockstep slots to ask (one step's duration at most).
+- With a sparse model a step holds at most the context's sparse_max_batch tokens (above
+  it the dense FFN would run); longer prompts and a sequence's first token are computed
+  alone, so each request takes the FFN path it takes alone (up to summation order, see
+  docs/parallel.md).
 - Prompt cache: a slot keeps its last sequence in the cache; a new generation on a slot
   first takes over the longest prefix of its prompt held by any idle slot (cells are
   shared, not copied), then decodes only the rest.
-- Every step runs on the engine thread. Before it starts, the pool hands back the OpenMP
-  worker pool of the thread that made it (powerinfer_release_threads): with two such pools
-  on the CPUs libgomp's barriers sleep and steps run 2-3x slower (docs/parallel.md).
+- Before the batcher starts, the pool hands back the OpenMP worker pool of the thread that
+  made it (powerinfer_release_threads): with two such pools on the CPUs libgomp's
+  barriers sleep and steps run 2-3x slower (docs/parallel.md).
 - `Llama` itself stays single-sequence, as upstream.
 """
 
@@ -37,29 +44,23 @@ import collections
 import contextlib
 import inspect
 import threading
-import time
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from ._core import Context, PowerInferError, release_threads
+from ._core import Batcher, Context, PowerInferError, Sampler, release_threads
+from ._llama import generation
 from .llama import Llama
 
 __all__ = ["ParallelLlama"]
 
-# Longest the engine waits for the other busy slots to queue their tokens before it
-# computes a step without them (they join the next one).
-_MAX_GATHER_S = 0.02
-
-
-class _Request:
-    __slots__ = ("seq", "tokens", "pos", "logits_all", "done", "logits", "error")
-
-    def __init__(self, seq: int, tokens: List[int], pos: int, logits_all: bool):
-        self.seq, self.tokens, self.pos, self.logits_all = seq, tokens, pos, logits_all
-        self.done = threading.Event()
-        self.logits: Optional[np.ndarray] = None
-        self.error: Optional[BaseException] = None
+# Tokens a slot's generation may run ahead of its Python code (the batcher's lookahead):
+# enough to ride out a burst of Python work (a stream's first chunks, the GIL held by
+# another thread), few enough that a stop string found late wastes little.
+_LOOKAHEAD = 16
+# Longest a step waits for the lockstep slots to ask for their next decode (they join the
+# next step otherwise); also at most the last step's duration.
+_MAX_GATHER_MS = 20.0
 
 
 class _SequenceContext:
@@ -68,7 +69,9 @@ class _SequenceContext:
     def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int):
         self._pool, self.seq, self._n_ctx = pool, seq, n_ctx
         self._logits = np.zeros((0, pool.n_vocab), dtype=np.float32)
+        self._row = np.empty((1, pool.n_vocab), dtype=np.float32)  # a generation step's row, reused
         self.params = pool._ctx.params
+        self._keep: Optional[int] = None  # kv_truncate's, not yet applied
 
     def n_ctx(self) -> int:
         return self._n_ctx
@@ -79,8 +82,24 @@ class _SequenceContext:
     def n_outputs(self) -> int:
         return len(self._logits)
 
+    def settle(self, pos: Optional[int] = None) -> None:
+        """Before the sequence's next use of the context (a decode or run at `pos`): apply a
+        truncation kv_truncate left pending, unless the decode at pos overwrites it anyway
+        (the batcher forgets a sequence's cells from the position it decodes at)."""
+        keep, self._keep = self._keep, None
+        if keep is not None and (pos is None or pos > keep):
+            self._pool._with_ctx(lambda ctx: ctx.kv_seq_rm(self.seq, keep, -1))
+
     def decode(self, tokens: Sequence[int], pos: int, logits_all: bool = False) -> None:
-        self._logits = self._pool._submit(self.seq, [int(t) for t in tokens], pos, logits_all)
+        self.settle(pos)
+        # One row reuses the sequence's buffer, as a Context reuses its own: the slot's view of
+        # the previous row is valid until its next decode, which is this one (and a fresh
+        # 200-600 KB array per token is a fresh mmap, whose pages fault in one by one).
+        n_rows = len(tokens) if logits_all else 1
+        out = self._row if n_rows == 1 else np.empty((n_rows, self._pool.n_vocab), dtype=np.float32)
+        self._logits = self._logits[:0]  # a failed decode leaves no logits
+        self._pool._batcher.decode(self.seq, tokens, pos, logits_all, out)
+        self._logits = out
 
     def logits(self, row: int = -1, n_rows: int = 1) -> np.ndarray:
         n = len(self._logits)
@@ -90,10 +109,14 @@ class _SequenceContext:
         return self._logits[start] if n_rows == 1 else self._logits[start : start + n_rows]
 
     def kv_pos(self) -> int:
+        self.settle()
         return self._pool._with_ctx(lambda ctx: ctx.kv_seq_pos_max(self.seq) + 1)
 
     def kv_truncate(self, n_keep: int) -> None:
-        self._pool._with_ctx(lambda ctx: ctx.kv_seq_rm(self.seq, n_keep, -1))
+        # Left for the next decode, which is nearly always at n_keep (a prompt's rest after its
+        # cached prefix): that decode overwrites the cells anyway, and truncating now would
+        # wait for the step the batcher is computing.
+        self._keep = n_keep if self._keep is None else min(self._keep, n_keep)
 
     def timings(self) -> Dict[str, float]:
         return self._pool._with_ctx(lambda ctx: ctx.timings())
@@ -138,6 +161,7 @@ class _Slot(Llama):
 
     def __init__(self, pool: "ParallelLlama", base: Llama, seq: int, n_ctx: int):  # noqa: D107 (no Llama.__init__)
         self.__dict__.update(base.__dict__)  # the model, tokenizer, chat handlers, settings
+        self.__dict__.pop("_generation_hint", None)  # base's last completion's, not ours
         self._pool = pool
         self.seq_id = seq
         self._ctx = _SequenceContext(pool, seq, n_ctx)  # type: ignore[assignment]
@@ -151,11 +175,24 @@ class _Slot(Llama):
         self._pieces = base._pieces
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any):
+        # From create_completion, if it called us: its max_tokens (a run ahead samples no
+        # more), and whether it reads the logits rows (logprobs).
+        n_predict, wants_rows = self.__dict__.pop("_generation_hint", (None, self._logits_all))
         bound = _GENERATE_SIGNATURE.bind(self, tokens, *args, **kwargs)
         bound.apply_defaults()
-        if bound.arguments["reset"]:
-            self._pool._adopt_prefix(self, [int(t) for t in tokens])
-        return super().generate(tokens, *args, **kwargs)
+        arguments = bound.arguments
+        tokens = [int(t) for t in tokens]
+        if not tokens and self.n_tokens == 0:
+            raise ValueError("generate needs at least one prompt token")
+        if arguments["reset"]:
+            self._pool._adopt_prefix(self, tokens)
+        stop_tokens = generation.core_stop_tokens(arguments["stopping_criteria"])
+        if stop_tokens is not None and not wants_rows:
+            sampler = generation.init_sampler(self, **generation.sampler_args(arguments))
+            if sampler.logits_processor is None:  # the core samples it alone
+                return self._pool._run_ahead(self, tokens, sampler, arguments["reset"], n_predict, stop_tokens)
+            sampler.close()
+        return self._pool._lockstep(self, super().generate(tokens, *args, **kwargs))
 
     def close(self) -> None:  # the pool owns the model and the context
         self._sampler = None
@@ -191,32 +228,21 @@ class ParallelLlama:
             batch_invariant=True,
         )  # fmt: skip
         self.n_ctx_slot = min(n_ctx_slot, self._ctx.n_ctx())
-        self._sparse_max_batch = self._ctx.sparse_max_batch()
-        self._dense = llama.sparse_mode_in_use() == "dense"
-        self._ctx_lock = threading.Lock()  # the context: decode and KV edits
         self._slots = [_Slot(self, llama, i, self.n_ctx_slot) for i in range(n_parallel)]
-        self._row_buffers = [np.empty((1, self.n_vocab), dtype=np.float32) for _ in range(n_parallel)]
         self._free: Deque[int] = collections.deque(range(n_parallel))  # idle longest first
         self._slot_cond = threading.Condition()
         self._n_waiting = 0
-        self._cond = threading.Condition()
-        self._pending: List[_Request] = []
         self._closed = False
-        self._step_s = 0.0  # moving average of a step's compute time
-        self.stats: Dict[str, float] = {
-            "steps": 0,  # decode_batch calls
-            "tokens_prompt": 0,  # tokens of requests of more than one token
-            "tokens_generated": 0,  # one-token requests (generation steps)
-            "batch_tokens_max": 0,
-            "busy_seconds": 0.0,  # time spent computing
+        self._counts: Dict[str, int] = {
             "prompt_tokens_reused": 0,  # prompt tokens found in the cache (own or adopted prefix)
             "requests": 0,  # slots handed out
+            "runs_ahead": 0,  # generations the core sampled
+            "runs_lockstep": 0,  # generations sampled in Python
         }
-        # A Llama that computed on this thread keeps an OpenMP pool here; the engine's own
+        # A Llama that computed on this thread keeps an OpenMP pool here; the batcher's own
         # would make two (see the module docstring).
         release_threads()
-        self._engine = threading.Thread(target=self._run, name="powerinfer-batch", daemon=True)
-        self._engine.start()
+        self._batcher = Batcher(self._ctx, lookahead=_LOOKAHEAD, max_gather_ms=_MAX_GATHER_MS)
 
     # ---- slots -------------------------------------------------------------------------
 
@@ -232,7 +258,7 @@ class ParallelLlama:
                 self._n_waiting -= 1
             if self._closed:
                 raise RuntimeError("the ParallelLlama is closed")
-            self.stats["requests"] += 1
+            self._counts["requests"] += 1
             return self._slots[self._free.popleft()]
 
     def release(self, slot: Llama) -> None:
@@ -277,138 +303,113 @@ class ParallelLlama:
                 src = best
                 self._with_ctx(lambda ctx: (ctx.kv_seq_rm(slot.seq_id, 0, -1),
                                             ctx.kv_seq_cp(src.seq_id, slot.seq_id, 0, best_len)))
+                slot._ctx._keep = None
                 slot.input_ids[:best_len] = src.input_ids[:best_len]
                 slot.n_tokens = best_len
                 slot._requires_eval = True
         # The last prompt token is decoded again for its logits.
-        self.stats["prompt_tokens_reused"] += max(min(best_len, len(tokens) - 1), 0)
+        self._counts["prompt_tokens_reused"] += max(min(best_len, len(tokens) - 1), 0)
 
-    # ---- the engine -----------------------------------------------------------------------
+    # ---- generations ---------------------------------------------------------------------
 
     def _with_ctx(self, fn):
-        with self._ctx_lock:
-            return fn(self._ctx)
+        with self._batcher.locked() as ctx:
+            return fn(ctx)
 
-    def _submit(self, seq: int, tokens: List[int], pos: int, logits_all: bool) -> np.ndarray:
-        request = _Request(seq, tokens, pos, logits_all)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the ParallelLlama is closed")
-            self._pending.append(request)
-            # The engine waits for the first request (it starts the gathering) and for the
-            # last of the busy slots' (the step can start); the others need not wake it.
-            if len(self._pending) == 1 or len(self._pending) >= self.slots_busy:
-                self._cond.notify_all()
-        request.done.wait()
-        if request.error is not None:
-            raise request.error
-        assert request.logits is not None
-        return request.logits
+    def _lockstep(self, slot: _Slot, tokens: Iterator[int]):
+        """A generation sampled in Python (Llama.generate on the slot): while it runs, each
+        step waits for the slot's next decode."""
+        self._counts["runs_lockstep"] += 1
+        self._batcher.set_lockstep(slot.seq_id, True)
+        try:
+            return (yield from tokens)
+        finally:
+            self._batcher.set_lockstep(slot.seq_id, False)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if self._closed and not self._pending:
+    def _run_ahead(self, slot: _Slot, tokens: List[int], sampler: Sampler, reset: bool,
+                   n_predict: Optional[int], stop_tokens: List[int]):
+        """Llama.generate for a slot whose sampler the core runs alone: the batcher samples
+        and decodes ahead (powerinfer_batcher_generate), this generator hands the tokens over.
+
+        The slot's state follows the tokens handed over, as Llama.generate's would: a token
+        counts as decoded once the caller asks for the one after it, and when the caller
+        stops, the sequence keeps exactly those positions (what the batcher computed beyond
+        them is dropped), so the slot's cache and prompt-cache matching are as after a
+        generation in Python. `stop_tokens` end it as generation.StopOnLastToken does: once
+        such a token is evaluated (handed over, and the caller asks for the next), nothing
+        more is handed over."""
+        self._counts["runs_ahead"] += 1
+        batcher, seq = self._batcher, slot.seq_id
+        slot._sampler = sampler
+        todo = generation.prepare_prompt(slot, tokens, reset)
+        if not todo:
+            # The whole prompt is cached with its logits: decode its last token again (the
+            # core samples from its own rows, not from the slot's copy).
+            slot.n_tokens -= 1
+            todo = [int(slot.input_ids[slot.n_tokens])]
+        try:
+            while True:
+                pos = slot.n_tokens
+                if pos + len(todo) > slot._n_ctx:
+                    raise ValueError(f"Requested tokens ({pos + len(todo)}) exceed context window of {slot._n_ctx}")
+                if todo[-1] in stop_tokens:
+                    # Llama.generate evaluates it, samples, and its stopping criterion ends
+                    # the generation before the sampled token is handed over.
+                    slot._ctx.decode(todo, pos)
+                    slot.input_ids[pos : pos + len(todo)] = todo
+                    slot.n_tokens = pos + len(todo)
                     return
-                # Let the other busy slots queue their next tokens, for one step's time at most.
-                deadline = time.perf_counter() + min(self._step_s, _MAX_GATHER_S)
-                while len(self._pending) < self.slots_busy and not self._closed:
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
+                slot._requires_eval = True  # the last logits are the core's, not in the slot
+                slot._ctx.settle(pos)
+                batcher.generate(seq, todo, pos, sampler, n_predict or 0, slot._n_ctx, stop_tokens)
+                slot.input_ids[pos : pos + len(todo)] = todo
+                slot.n_tokens = pos + len(todo)
+                last: Optional[int] = None
+                while True:
+                    got = batcher.next(seq)
+                    if not got:
                         break
-                    self._cond.wait(left)
-                groups = self._groups(self._pending)
-                self._pending = []
-            for group in groups:
-                try:
-                    self._step(group)
-                except BaseException as exc:  # a bug outside the decode: fail the step, keep the engine
-                    for r in group:
-                        if r.logits is None and r.error is None:
-                            r.error = exc
-                        r.done.set()
-
-    def _groups(self, pending: List[_Request]) -> List[List[_Request]]:
-        """The batches of one engine pass, in arrival order, one-token steps first. With a
-        sparse model a batch holds at most sparse_max_batch tokens (above it the dense FFN
-        would run), and a longer request, or one holding its sequence's first token (which
-        the core computes with every neuron), is computed alone, so every request takes the
-        FFN path it takes alone; a dense model computes the whole queue at once."""
-        if self._dense:
-            return [pending]
-        limit = self._sparse_max_batch
-        groups: List[List[_Request]] = []
-        current: List[_Request] = []
-        n = 0
-        for r in sorted(pending, key=lambda r: len(r.tokens) > 1):  # stable: steps, then prompts
-            if len(r.tokens) > limit or r.pos == 0:
-                groups.append([r])
-                continue
-            if n + len(r.tokens) > limit:
-                groups.append(current)
-                current, n = [], 0
-            current.append(r)
-            n += len(r.tokens)
-        return groups + [current] if current else groups
-
-    def _step(self, group: List[_Request]) -> None:
-        t0 = time.perf_counter()
-        with self._ctx_lock:
-            ctx = self._ctx
-            ready = []
-            for r in group:
-                # Cells from pos on are overwritten, as in Llama's own decode.
-                n_cached = ctx.kv_seq_pos_max(r.seq) + 1
-                if r.pos > n_cached:
-                    r.error = PowerInferError(f"position {r.pos} is past the {n_cached} cached positions of sequence {r.seq}")
-                    continue
-                if r.pos < n_cached:
-                    ctx.kv_seq_rm(r.seq, r.pos, -1)
-                ready.append(r)
-            tokens: List[int] = []
-            seqs: List[int] = []
-            flags: List[bool] = []
-            for r in ready:
-                n = len(r.tokens)
-                tokens += r.tokens
-                seqs += [r.seq] * n
-                flags += [r.logits_all] * (n - 1) + [True]
-            try:
-                if ready:
-                    n_out = ctx.decode_batch(tokens, seqs, flags)
-                    rows = ctx.logits(0, n_out).reshape(n_out, self.n_vocab)
-                    k = 0
-                    for r in ready:
-                        n = len(r.tokens) if r.logits_all else 1
-                        r.logits = self._rows_of(r.seq, n)
-                        np.copyto(r.logits, rows[k : k + n])
-                        k += n
-            except BaseException as exc:
-                for r in ready:
-                    r.error = exc
-        dt = time.perf_counter() - t0
-        self._step_s = dt if self._step_s == 0.0 else 0.8 * self._step_s + 0.2 * dt
-        stats = self.stats
-        stats["steps"] += 1
-        stats["busy_seconds"] += dt
-        stats["batch_tokens_max"] = max(stats["batch_tokens_max"], len(tokens))
-        for r in ready:
-            stats["tokens_generated" if len(r.tokens) == 1 else "tokens_prompt"] += len(r.tokens)
-        for r in group:
-            r.done.set()
-
-    def _rows_of(self, seq: int, n: int) -> np.ndarray:
-        """Where sequence seq's n logits rows of this step go. One row (a generation step)
-        reuses the sequence's buffer, as a Context reuses its own: the slot's view of the
-        previous row is valid until its next decode, which is this one (and a fresh
-        200-600 KB array per token is a fresh mmap, whose pages fault in one by one)."""
-        if n > 1:
-            return np.empty((n, self.n_vocab), dtype=np.float32)
-        return self._row_buffers[seq]
+                    for token in got:
+                        if last is not None:  # the batcher decoded it before sampling this one
+                            slot.input_ids[slot.n_tokens] = last
+                            slot.n_tokens += 1
+                        drafts = yield token
+                        last = token
+                        if drafts:
+                            # Draft tokens to check: that is Llama.generate's loop, on rows of
+                            # logits in Python; the run ahead ends at the token sent back.
+                            batcher.stop(seq, slot.n_tokens)
+                            slot._ctx._keep = None
+                            yield from self._lockstep(slot, generation._generate(
+                                slot, [token, *(int(t) for t in drafts)], sampler, False, None, verify=True))
+                            return
+                if last is None:
+                    raise PowerInferError(f"sequence {seq} ended its run without a token")
+                # The run ended (n_predict, an end-of-generation or stop token, the context)
+                # and the caller asks for more: its last token is decoded in a new run.
+                todo, n_predict = [last], None
+        finally:
+            batcher.stop(seq, slot.n_tokens)
+            slot._ctx._keep = None  # the stop kept exactly the slot's tokens
+            slot._requires_eval = True
+            if slot._sampler is sampler:
+                slot._sampler = None
 
     # ---- observability and lifetime ----------------------------------------------------------
+
+    @property
+    def stats(self) -> Dict[str, float]:
+        """Counters since the pool was made: the batcher's (steps, tokens, busy time) and the
+        pool's (requests, prompt tokens reused, generations run ahead or in lockstep)."""
+        st = self._batcher.stats()
+        return {
+            "steps": st["n_steps"],  # decode_batch calls
+            "tokens_prompt": st["n_prompt_tokens"],  # tokens of requests of more than one token
+            "tokens_generated": st["n_gen_tokens"],  # one-token requests (generation steps)
+            "batch_tokens_max": st["max_batch_tokens"],
+            "busy_seconds": st["busy_ms"] / 1000.0,  # time spent computing
+            **self._counts,
+        }
 
     def sparse_active_fraction(self) -> Optional[float]:
         """Share of FFN neurons the sparse steps computed since the pool was made (None: no sparse step)."""
@@ -421,17 +422,14 @@ class ParallelLlama:
         return self._with_ctx(lambda ctx: ctx.kv_used_cells())
 
     def close(self) -> None:
-        """Stop the engine and free the pool's context (not the Llama it was made from)."""
-        with self._cond:
+        """Stop the batcher and free the pool's context (not the Llama it was made from)."""
+        with self._slot_cond:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
-        with self._slot_cond:
             self._slot_cond.notify_all()
-        self._engine.join()
-        with self._ctx_lock:
-            self._ctx.close()
+        self._batcher.close()
+        self._ctx.close()
 
     def __enter__(self) -> "ParallelLlama":
         return self

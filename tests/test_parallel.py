@@ -364,35 +364,137 @@ def test_parallel_llama_errors(smol_llama):
     assert smol_llama.create_completion("Hi", max_tokens=2)["choices"]
 
 
-def test_parallel_llama_engine_survives_a_failing_step(smol_llama):
-    """An exception in a step outside the decode (here the cache query before it) fails that
-    step's requests instead of ending the engine thread, which would leave every later
-    request waiting forever."""
+def test_batcher_fails_a_bad_request_alone_and_keeps_serving(smol_llama):
+    """A request the batcher cannot compute (a position past its sequence's cache) fails
+    alone, with the core's message; the batcher goes on computing for everyone."""
     with ParallelLlama(smol_llama, n_parallel=2) as pool:
-        ctx = pool._ctx
-        original = ctx.kv_seq_pos_max
-
-        def broken(seq):
-            raise RuntimeError("injected fault")
-
-        ctx.kv_seq_pos_max = broken
-        errors = []
-
-        def complete() -> None:
-            with pool.slot() as slot:
-                try:
-                    slot.create_completion("Hello", max_tokens=2)
-                except RuntimeError as exc:
-                    errors.append(exc)
-
-        worker = threading.Thread(target=complete, daemon=True)
-        worker.start()
-        worker.join(timeout=60)
-        ctx.kv_seq_pos_max = original
-        assert not worker.is_alive(), "the request still waits: the engine thread died"
-        assert len(errors) == 1 and "injected fault" in str(errors[0])
+        out = np.empty((1, pool.n_vocab), dtype=np.float32)
+        with pytest.raises(PowerInferError, match="past the 0 cached positions of sequence 1"):
+            pool._batcher.decode(1, [1, 2, 3], 5, False, out)
+        with pytest.raises(PowerInferError, match="outside the vocabulary"):
+            pool._batcher.decode(1, [pool.n_vocab], 0, False, out)
+        with pytest.raises(PowerInferError, match="room for 1 logits rows, 3 needed"):
+            pool._batcher.decode(1, [1, 2, 3], 0, True, out)
         with pool.slot() as slot:
             assert slot.create_completion("Hello", max_tokens=2)["choices"][0]["text"]
+
+
+def test_closing_the_pool_wakes_a_waiting_generation(smol_llama):
+    """A thread waiting for its next token when the pool closes gets an error, not a hang."""
+    pool = ParallelLlama(smol_llama, n_parallel=2)
+    slot = pool.acquire()
+    started, errors = threading.Event(), []
+
+    def generate() -> None:
+        try:
+            for i, _ in enumerate(slot.generate(slot.tokenize(b"Count: 1, 2, 3,"), temp=0.0)):
+                if i == 2:
+                    started.set()
+                    time.sleep(0.5)  # the run ahead fills its lookahead and waits for us
+        except Exception as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=generate, daemon=True)
+    worker.start()
+    assert started.wait(60)
+    pool.close()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the generation still waits after close()"
+    assert len(errors) == 1 and "closed" in str(errors[0])
+
+
+def _run_ahead_and_lockstep(pool, prompt, **kwargs):
+    """The same completion on a slot run ahead in the core and in lockstep (a logits
+    processor that changes nothing keeps the sampling in Python), with the slot's state after
+    each: its tokens and its sequence's cached positions."""
+    out = []
+    for processor in (None, [lambda ids, scores: scores]):
+        with pool.slot() as slot:
+            slot.reset()
+            before = dict(pool.stats)
+            text = slot.create_completion(prompt, logits_processor=processor, **kwargs)["choices"][0]["text"]
+            kind = "runs_ahead" if processor is None else "runs_lockstep"
+            assert pool.stats[kind] == before[kind] + 1
+            out.append((text, slot.input_ids[: slot.n_tokens].tolist(), slot._ctx.kv_pos()))
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_k=40, top_p=0.9, seed=7),
+                                      dict(temperature=0.7, repeat_penalty=1.3, seed=3, logit_bias={"13": 5.0})],
+                         ids=["greedy", "seeded", "penalty+bias"])
+def test_run_ahead_equals_lockstep(smol_llama, sampling):
+    """A generation the core samples ahead hands over the tokens the Python loop samples (the
+    same sampler chain, the logit bias in the core instead of a Python processor) and leaves
+    the slot as the loop does: the tokens it handed over but the last in the cache, and no
+    more (what the batcher computed beyond them is dropped). A stop string ends it early, so
+    the run ahead stops mid-way there."""
+    with ParallelLlama(smol_llama, n_parallel=2) as pool:
+        for prompt, stop in (("Once upon a time", None), ("The three primary colors are", ["."])):
+            ahead, lockstep = _run_ahead_and_lockstep(pool, prompt, max_tokens=24, stop=stop, **sampling)
+            assert ahead == lockstep
+            text, ids, cached = ahead
+            assert cached == len(ids)
+
+
+def test_run_ahead_stops_where_its_caller_stops(smol_llama):
+    """Closing the generator after k tokens keeps the prompt and the first k - 1 tokens cached,
+    as Llama.generate does; a caller that goes on after the run's limit gets the same tokens
+    as an unlimited run (the last token is decoded in a new run)."""
+    with ParallelLlama(smol_llama, n_parallel=2) as pool, pool.slot() as slot:
+        prompt = slot.tokenize(b"The capital of France is")
+        for k in (1, 5, 20):
+            slot.reset()
+            gen = slot.generate(prompt, temp=0.0)
+            tokens = [next(gen) for _ in range(k)]
+            gen.close()
+            assert slot.n_tokens == len(prompt) + k - 1
+            assert slot._ctx.kv_pos() == slot.n_tokens
+            assert slot.input_ids[len(prompt) : slot.n_tokens].tolist() == tokens[:-1]
+        slot.reset()
+        unlimited = [t for t, _ in zip(slot.generate(prompt, temp=0.0), range(12))]
+        slot.reset()
+        slot._generation_hint = (4, False)  # a run of 4, then the caller asks for more
+        limited = [t for t, _ in zip(slot.generate(prompt, temp=0.0), range(12))]
+        assert limited == unlimited
+
+
+def test_stop_tokens_end_a_run_as_the_criterion_does(smol_llama):
+    """StopOnLastToken (the chat templates' criterion) ends a run ahead where the Python loop
+    with the same test as a plain function ends: once the stop token was evaluated, nothing
+    more is handed over."""
+    from powerinfer_py import StoppingCriteriaList
+    from powerinfer_py._llama.generation import StopOnLastToken
+
+    with ParallelLlama(smol_llama, n_parallel=2) as pool, pool.slot() as slot:
+        prompt = slot.tokenize(b"Count: 1, 2, 3, 4, 5,")
+        slot.reset()
+        free = [t for t, _ in zip(slot.generate(prompt, temp=0.0), range(10))]
+        stop = free[3]
+        outs = []
+        for criterion in ([StopOnLastToken([stop])], [lambda ids, logits: int(ids[-1]) == stop]):
+            slot.reset()
+            before = pool.stats["runs_ahead"]
+            criteria = StoppingCriteriaList(criterion)
+            outs.append((list(slot.generate(prompt, temp=0.0, stopping_criteria=criteria)), slot.n_tokens))
+            assert (pool.stats["runs_ahead"] == before + 1) == isinstance(criterion[0], StopOnLastToken)
+        assert outs[0] == outs[1]
+        assert outs[0][0] == free[: free.index(stop) + 1]
+
+
+def test_draft_tokens_sent_into_a_run_ahead(smol_llama):
+    """Draft tokens sent into a slot's generation (Llama.generate's protocol) are checked as
+    Llama.generate checks them: the run ahead hands over to the Python loop at that token."""
+    with ParallelLlama(smol_llama, n_parallel=2) as pool, pool.slot() as slot:
+        prompt = slot.tokenize(b"Count: 1, 2, 3, 4, 5,")
+        slot.reset()
+        free = [t for t, _ in zip(slot.generate(prompt, temp=0.0), range(8))]
+        slot.reset()
+        gen = slot.generate(prompt, temp=0.0)
+        got = [next(gen), next(gen)]
+        got.append(gen.send(free[2:4]))  # right drafts: the next tokens are theirs
+        got += [next(gen) for _ in range(4)]
+        gen.close()
+        assert got == free[:7]
 
 
 # ---- the server ------------------------------------------------------------------------------

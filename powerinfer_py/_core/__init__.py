@@ -2,17 +2,19 @@
 
 - `bindings`: `ffi`/`lib` from powerinfer.h's cdef block, library discovery;
 - `errors`: `PowerInferError`, the status names, `core_error()`;
-- `model.Model`, `context.Context`, `sampler.Sampler`: owned `struct powerinfer_*`
-  handles (freed exactly once; context managers), with the calls the package needs.
+- `model.Model`, `context.Context`, `sampler.Sampler`, `batcher.Batcher`: owned
+  `struct powerinfer_*` handles (freed exactly once; context managers), with the calls the
+  package needs.
 
 Nothing else in powerinfer_py calls `lib`, and this package imports nothing of
 powerinfer_py outside it (import-linter contracts in pyproject.toml). Importing it
 loads libpowerinfer.
 """
 
+from .batcher import Batcher
 from .context import Context, release_threads
 from .errors import PowerInferError, core_error
 from .model import SPARSE_MODES, Model
-from .sampler import Sampler
+from .sampler import LogitBias, Sampler
 
-__all__ = ["Context", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]
+__all__ = ["Batcher", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]

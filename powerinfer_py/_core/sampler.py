@@ -6,7 +6,7 @@ is freed exactly once (close(), garbage collection, or closing the model)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -17,6 +17,30 @@ from .handle import Handle
 from .model import Model
 
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+class LogitBias:
+    """A logits processor adding a bias to some tokens' logits (OpenAI's `logit_bias`).
+
+    Called, it adds in place (the sampler hands its processors a copy of its own, as
+    llama-cpp-python's does). A Sampler whose processor list ends with LogitBias
+    processors applies them in the core instead (libllama's logit-bias sampler, first in
+    the chain: the same float additions in the same order), so the logits row is not
+    copied for them and the core can sample such a generation without Python."""
+
+    def __init__(self, bias: Dict[Any, float], n_vocab: int):
+        entries: Dict[int, float] = {}
+        for k, v in bias.items():
+            token = int(k)
+            if not 0 <= token < n_vocab:
+                raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {n_vocab})")
+            entries[token] = float(v)
+        self.ids = np.fromiter(entries.keys(), dtype=np.intp, count=len(entries))
+        self.values = np.fromiter(entries.values(), dtype=np.float32, count=len(entries))
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores[self.ids] += self.values
+        return scores
 
 
 def grammar_text(grammar: Any) -> tuple:
@@ -62,7 +86,11 @@ class Sampler(Handle):
     ):
         self.model = model  # the chain reads the model's vocabulary: keep it alive
         self.n_vocab = model.n_vocab()
-        self.logits_processor = logits_processor if logits_processor else None
+        processors = list(logits_processor) if logits_processor else []
+        biases: List[LogitBias] = []
+        while processors and isinstance(processors[-1], LogitBias):
+            biases.insert(0, processors.pop())
+        self.logits_processor = processors if processors else None
         self._scratch: Optional[np.ndarray] = None  # the processors' copy of a logits row
         p = lib.powerinfer_sampler_default_params()
         p.seed = int(seed) & 0xFFFFFFFF
@@ -91,6 +119,13 @@ class Sampler(Handle):
             self._grammar_buf = ffi.new("char[]", text.encode("utf-8"))
             self._root_buf = ffi.new("char[]", root.encode("utf-8"))
             p.grammar, p.grammar_root = self._grammar_buf, self._root_buf
+        if biases:
+            ids = [int(t) for b in biases for t in b.ids]
+            values = [float(v) for b in biases for v in b.values]
+            entries = ffi.new("struct powerinfer_logit_bias[]", len(ids))
+            for i, (t, v) in enumerate(zip(ids, values)):
+                entries[i].token, entries[i].bias = t, v
+            p.n_logit_bias, p.logit_bias = len(ids), entries  # copied by the core
         ptr = lib.powerinfer_sampler_new(model.ptr, p)
         if ptr == ffi.NULL:
             raise core_error("invalid sampling parameters")

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any, Dict, Optional
 
-from . import tokenizer, upstream
+from . import generation, tokenizer, upstream
 
 
 def setup(llama: Any, chat_format: Optional[str], chat_handler: Optional[Any]) -> None:
@@ -37,8 +37,9 @@ def setup(llama: Any, chat_format: Optional[str], chat_handler: Optional[Any]) -
         chat_formats = upstream.llama_chat_format()
         eos_token_id, bos_token_id = llama.token_eos(), llama.token_bos()
         eos_token, bos_token = tokenizer.token_text(llama, eos_token_id), tokenizer.token_text(llama, bos_token_id)
+        formatter = _formatter_class(chat_formats)
         for name, template in template_choices.items():
-            llama._chat_handlers[name] = chat_formats.Jinja2ChatFormatter(
+            llama._chat_handlers[name] = formatter(
                 template=template,
                 eos_token=eos_token,
                 bos_token=bos_token,
@@ -62,6 +63,29 @@ def setup(llama: Any, chat_format: Optional[str], chat_handler: Optional[Any]) -
         llama.chat_format = "llama-2"
         if llama.verbose:
             print(f"Using fallback chat format: {llama.chat_format}", file=sys.stderr)
+
+
+_FORMATTERS: Dict[int, type] = {}
+
+
+def _formatter_class(chat_formats: Any) -> type:
+    """llama-cpp-python's Jinja2ChatFormatter, whose stopping criterion (stop once the last
+    evaluated token is one of the template's stop tokens) is a StopOnLastToken: the same
+    test as upstream's closure, but one the core can run, so chats on ParallelLlama slots
+    are sampled in the core (generation.StopOnLastToken)."""
+    cls = _FORMATTERS.get(id(chat_formats))
+    if cls is None:
+
+        class Jinja2ChatFormatter(chat_formats.Jinja2ChatFormatter):
+            def __call__(self, *args: Any, **kwargs: Any):
+                result = super().__call__(*args, **kwargs)
+                if self.stop_token_ids is not None:
+                    criteria = upstream.module("llama").StoppingCriteriaList
+                    result.stopping_criteria = criteria([generation.StopOnLastToken(self.stop_token_ids)])
+                return result
+
+        cls = _FORMATTERS[id(chat_formats)] = Jinja2ChatFormatter
+    return cls
 
 
 def _json_schema_grammar(response_format: Dict[str, Any], verbose: bool):

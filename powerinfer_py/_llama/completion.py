@@ -17,29 +17,8 @@ import uuid
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-import numpy as np
-
+from .._core import LogitBias
 from . import generation, tokenizer
-
-
-def _logit_bias_processor(logit_bias: Dict[Any, float], n_vocab: int):
-    bias = {}
-    for k, v in logit_bias.items():
-        token = int(k)
-        if not 0 <= token < n_vocab:
-            raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {n_vocab})")
-        bias[token] = float(v)
-    ids = np.fromiter(bias.keys(), dtype=np.intp, count=len(bias))
-    values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
-
-    def logit_bias_processor(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        # In place: the sampler hands its processors a copy of its own (so does
-        # llama-cpp-python's, which writes the result back), and a new row per token
-        # would be a fresh, page-faulting allocation.
-        scores[ids] += values
-        return scores
-
-    return logit_bias_processor
 
 
 def create_completion_stream(
@@ -151,7 +130,7 @@ def create_completion_stream(
         # Upstream: `logits_processor = logits_processor.extend(...)` drops both the
         # processors and the bias when both are given (list.extend returns None).
         processors = list(logits_processor) if logits_processor is not None else []
-        processors.append(_logit_bias_processor(logit_bias, self._n_vocab))
+        processors.append(LogitBias(logit_bias, self._n_vocab))
         logits_processor = processors
 
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -200,6 +179,10 @@ def create_completion_stream(
 
     finish_reason = "length"
     multibyte_fix = 0
+    # For generate() on a ParallelLlama slot: this loop takes at most max_tokens tokens (a
+    # generation sampled ahead of it samples no more), and reads the logits rows
+    # (self._scores) only for logprobs (without, it may be sampled in the core).
+    self._generation_hint = (max_tokens, logprobs is not None)
     for token in self.generate(
         prompt_tokens,
         top_k=top_k,

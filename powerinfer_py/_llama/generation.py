@@ -133,7 +133,35 @@ def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, 
     return _generate(llama, tokens, sampler, reset, stopping_criteria)
 
 
-def _generate(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria) -> Iterator[int]:
+class StopOnLastToken:
+    """A stopping criterion: stop once the last evaluated token is one of `token_ids`
+    (llama-cpp-python's Jinja2ChatFormatter builds this test as a closure). Kept as data,
+    so a generation sampled in the core (a ParallelLlama slot) can end there in the core."""
+
+    def __init__(self, token_ids: Any):
+        self.token_ids = frozenset(int(t) for t in token_ids)
+
+    def __call__(self, input_ids: np.ndarray, logits: np.ndarray) -> bool:
+        return len(input_ids) > 0 and int(input_ids[-1]) in self.token_ids
+
+
+def core_stop_tokens(stopping_criteria: Any) -> Optional[List[int]]:
+    """The tokens to end a generation at, if `stopping_criteria` (None or a list) only ends
+    generations at given last tokens; None if it needs Python."""
+    if stopping_criteria is None:
+        return []
+    if isinstance(stopping_criteria, StopOnLastToken):
+        return sorted(stopping_criteria.token_ids)
+    if not isinstance(stopping_criteria, list) or not all(isinstance(c, StopOnLastToken) for c in stopping_criteria):
+        return None
+    return sorted({t for c in stopping_criteria for t in c.token_ids})
+
+
+def prepare_prompt(llama: Any, tokens: List[int], reset: bool) -> List[int]:
+    """Before a generation: keep the longest cached prefix of `tokens` (at least one prompt
+    token is decoded again, for its logits, unless the whole prompt is cached with its
+    logits), reset the rest, and return the tokens still to evaluate ([]: sample from the
+    last logits)."""
     if reset and llama.n_tokens > 0:
         longest_prefix = llama.longest_token_prefix(llama._input_ids.tolist(), tokens)
         prompt_consumed = longest_prefix == len(tokens)
@@ -159,9 +187,15 @@ def _generate(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stop
                 )
     if reset:
         llama.reset()
+    return tokens
 
-    sample_idx = llama.n_tokens + len(tokens) - 1
-    verify = False  # tokens were sent in: every row of the next decode is sampled
+
+def _generate(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria,
+              verify: bool = False) -> Iterator[int]:
+    """The generation loop. With verify (draft tokens were sent in), `tokens` are the last
+    sampled token and the drafts: every row of their decode is sampled and checked."""
+    tokens = prepare_prompt(llama, tokens, reset)
+    sample_idx = llama.n_tokens + (0 if verify else len(tokens) - 1)
     try:
         while True:
             eval_tokens(llama, tokens, all_rows=verify)

@@ -11,7 +11,9 @@ struct powerinfer_sampler {
     struct llama_sampler * chain;
     llama_token_data *     cand;    // n_vocab candidates, reused between calls
     int32_t                n_vocab;
-    bool                   greedy_only;  // the chain is the greedy sampler alone
+    bool                   greedy_only;  // the chain is the greedy sampler alone, after the logit bias if any
+    struct powerinfer_logit_bias * bias; // the logit bias, stably sorted by token (the greedy shortcut's copy)
+    int32_t                n_bias;
     struct powerinfer_sampler_params params;
 };
 
@@ -33,11 +35,13 @@ struct powerinfer_sampler_params powerinfer_sampler_default_params(void) {
         .penalty_repeat  = 1.0f,
         .penalty_freq    = 0.0f,
         .penalty_present = 0.0f,
+        .n_logit_bias    = 0,
+        .logit_bias      = NULL,
     };
     return p;
 }
 
-static int32_t check_params(const struct powerinfer_sampler_params * p) {
+static int32_t check_params(const struct powerinfer_sampler_params * p, int32_t n_vocab) {
     if (!isfinite(p->temp)) return pi_fail(POWERINFER_ERR_INVALID_ARG, "temperature must be finite");
     // Values past the useful range (top_p > 1, min_p < 0) mean "disabled", as in llama.cpp.
     if (!(isfinite(p->top_p) && p->top_p >= 0.0f))
@@ -58,7 +62,22 @@ static int32_t check_params(const struct powerinfer_sampler_params * p) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "mirostat tau and eta must be finite");
     if (p->penalty_last_n < -1)
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "penalty_last_n = %d must be >= -1", p->penalty_last_n);
+    if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "n_logit_bias = %d with %s logit_bias", p->n_logit_bias,
+                       p->logit_bias ? "a" : "no");
+    for (int32_t i = 0; i < p->n_logit_bias; ++i) {
+        if (p->logit_bias[i].token < 0 || p->logit_bias[i].token >= n_vocab)
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "logit_bias names token %d, outside the vocabulary [0, %d)",
+                           p->logit_bias[i].token, n_vocab);
+        if (isnan(p->logit_bias[i].bias))
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "the logit bias of token %d is NaN", p->logit_bias[i].token);
+    }
     return POWERINFER_OK;
+}
+
+static int cmp_bias_token(const void * a, const void * b) {
+    const struct powerinfer_logit_bias * x = a, * y = b;
+    return (x->token > y->token) - (x->token < y->token);
 }
 
 // Chain order follows llama-cpp-python: grammar, penalties, then greedy, or Mirostat,
@@ -69,7 +88,7 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
         pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_new: model is NULL");
         return NULL;
     }
-    if (check_params(&p) != POWERINFER_OK) {
+    if (check_params(&p, model->hp.n_vocab) != POWERINFER_OK) {
         return NULL;
     }
     struct powerinfer_sampler * s = calloc(1, sizeof(*s));
@@ -83,10 +102,33 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
     struct llama_sampler_chain_params cp = llama_sampler_chain_default_params();
     cp.no_perf = true;
     s->chain = llama_sampler_chain_init(cp);
-    if (!s->cand || !s->chain) {
+    if (p.n_logit_bias > 0) {
+        s->n_bias = p.n_logit_bias;
+        s->bias   = malloc((size_t) p.n_logit_bias * sizeof(*s->bias));
+        if (s->bias) {
+            // Entries of one token stay in their order (insertion sort is stable): each is
+            // added in turn, as llama's logit-bias sampler does.
+            for (int32_t i = 0; i < s->n_bias; ++i) {
+                int32_t j = i;
+                while (j > 0 && cmp_bias_token(&s->bias[j - 1], &p.logit_bias[i]) > 0) {
+                    s->bias[j] = s->bias[j - 1];
+                    --j;
+                }
+                s->bias[j] = p.logit_bias[i];
+            }
+        }
+    }
+    s->params.n_logit_bias = 0;  // the caller's array is not kept
+    s->params.logit_bias   = NULL;
+    if (!s->cand || !s->chain || (p.n_logit_bias > 0 && !s->bias)) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         powerinfer_sampler_free(s);
         return NULL;
+    }
+    // First, as the Python logits processors it replaces ran before the chain.
+    if (s->n_bias > 0) {
+        llama_sampler_chain_add(s->chain, llama_sampler_init_logit_bias(s->n_vocab, p.n_logit_bias,
+                                                                        (const llama_logit_bias *) p.logit_bias));
     }
     if (p.grammar && *p.grammar) {
         struct llama_sampler * g = llama_sampler_init_grammar(model->vocab, p.grammar,
@@ -104,7 +146,7 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
                                                                        p.penalty_freq, p.penalty_present));
     }
     if (p.temp <= 0.0f) {
-        s->greedy_only = llama_sampler_chain_n(s->chain) == 0;
+        s->greedy_only = llama_sampler_chain_n(s->chain) == (s->n_bias > 0 ? 1 : 0);
         llama_sampler_chain_add(s->chain, llama_sampler_init_greedy());
     } else if (p.mirostat == 1) {
         llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
@@ -132,7 +174,41 @@ void powerinfer_sampler_free(struct powerinfer_sampler * s) {
         llama_sampler_free(s->chain);
     }
     free(s->cand);
+    free(s->bias);
     free(s);
+}
+
+// The greedy sampler's own rule on the biased logits: scanning in token order, a token
+// replaces the best so far when its logit is larger (so the first of the largest wins, and
+// a NaN never does), without filling n_vocab candidates first: that was most of a greedy
+// step's sampling (150k for Qwen). The biased tokens' logits get their biases added in
+// turn, as the logit-bias sampler adds them.
+static int32_t greedy_pick(const struct powerinfer_sampler * s, const float * logits, int32_t n_vocab) {
+    int32_t best = 0;
+    float   vbest = 0.0f;
+    int32_t i = 0, k = 0;
+    while (i < n_vocab) {
+        const int32_t end = k < s->n_bias ? s->bias[k].token : n_vocab;  // next biased token
+        for (; i < end; ++i) {
+            if (i == 0 || logits[i] > vbest) {
+                vbest = logits[i];
+                best  = i;
+            }
+        }
+        if (i >= n_vocab) {
+            break;
+        }
+        float v = logits[i];
+        for (; k < s->n_bias && s->bias[k].token == i; ++k) {
+            v += s->bias[k].bias;
+        }
+        if (i == 0 || v > vbest) {
+            vbest = v;
+            best  = i;
+        }
+        ++i;
+    }
+    return best;
 }
 
 powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s, const float * logits, int32_t n_vocab) {
@@ -141,15 +217,7 @@ powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s,
         return -1;
     }
     if (s->greedy_only) {
-        // The greedy sampler's own rule (the first of the largest logits), without filling
-        // n_vocab candidates first: that was most of a greedy step's sampling (150k for Qwen).
-        int32_t best = 0;
-        for (int32_t i = 1; i < n_vocab; ++i) {
-            if (logits[i] > logits[best]) {
-                best = i;
-            }
-        }
-        return best;
+        return greedy_pick(s, logits, n_vocab);
     }
     for (int32_t i = 0; i < n_vocab; ++i) {
         s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };

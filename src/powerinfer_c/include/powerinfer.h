@@ -32,6 +32,7 @@ typedef int32_t powerinfer_token;
 struct powerinfer_model;
 struct powerinfer_context;
 struct powerinfer_sampler;
+struct powerinfer_batcher;
 
 enum powerinfer_status {
     POWERINFER_OK               =  0,
@@ -127,6 +128,12 @@ struct powerinfer_batch {
     const int8_t *           logits;  // [n_tokens] nonzero: keep this token's logits; NULL: only the last token's
 };
 
+// A bias added to one token's logit before sampling (llama_logit_bias).
+struct powerinfer_logit_bias {
+    powerinfer_token token;
+    float            bias;
+};
+
 struct powerinfer_sampler_params {
     uint32_t seed;            // 0xFFFFFFFF: random
     float    temp;            // <= 0: greedy
@@ -144,6 +151,21 @@ struct powerinfer_sampler_params {
     float    penalty_repeat;  // 1.0: disabled
     float    penalty_freq;    // 0.0: disabled
     float    penalty_present; // 0.0: disabled
+    int32_t  n_logit_bias;    // entries of logit_bias (0: none)
+    const struct powerinfer_logit_bias * logit_bias; // added to the logits before the rest of the chain
+};
+
+struct powerinfer_batcher_params {
+    int32_t lookahead;      // tokens a sequence running ahead may have sampled and not yet handed over (>= 1)
+    float   max_gather_ms;  // longest a step waits for the lockstep sequences' decodes (also at most the last step's duration)
+};
+
+struct powerinfer_batcher_stats {
+    int64_t n_steps;          // powerinfer_decode_batch calls
+    int64_t n_prompt_tokens;  // tokens of requests of more than one token
+    int64_t n_gen_tokens;     // tokens of one-token requests (generation steps)
+    int32_t max_batch_tokens; // largest batch computed
+    double  busy_ms;          // time spent computing steps
 };
 
 struct powerinfer_timings {
@@ -273,6 +295,55 @@ POWERINFER_API int32_t powerinfer_sparse_max_batch(const struct powerinfer_conte
 // compute makes a new one. Returns 1 if a pool was handed back or none existed, 0 when the
 // loaded ggml has no OpenMP runtime (nothing to do).
 POWERINFER_API int32_t powerinfer_release_threads(void);
+
+// ---- continuous batching (batcher.c) ------------------------------------------------------
+// A batcher owns a thread that computes every decode of a context made with n_seq_max > 1:
+// what several sequences ask for, from several threads, becomes one powerinfer_decode_batch
+// per step. A sequence either waits for each decode and samples itself
+// (powerinfer_batcher_decode), or runs ahead (powerinfer_batcher_generate): the batcher
+// samples each next token with the caller's sampler and decodes it in its next step, up to
+// `lookahead` tokens ahead of what the caller has taken (powerinfer_batcher_next), so a step
+// never waits for the callers. With a sparse model a step holds at most sparse_max_batch
+// tokens; longer requests and a sequence's first token are computed alone (each request
+// takes the FFN path it takes alone). While a batcher exists, decode only through it, and
+// touch the context otherwise (KV edits, counters) only between powerinfer_batcher_lock and
+// powerinfer_batcher_unlock.
+POWERINFER_API struct powerinfer_batcher_params powerinfer_batcher_default_params(void);
+POWERINFER_API struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * ctx, struct powerinfer_batcher_params params);
+// Stops the thread; calls waiting in the batcher return POWERINFER_ERR_INVALID_ARG ("closed").
+// The context is not freed.
+POWERINFER_API void powerinfer_batcher_free(struct powerinfer_batcher * b);
+// Computes n_tokens tokens of sequence seq at positions pos, pos+1, ... (its cells from pos
+// on are overwritten; pos must not be past its cached positions) in the next step and waits
+// for it. Copies the logits of every token (logits_all) or of the last one into `logits`
+// (room for n_rows_max rows of n_vocab floats). Returns the rows copied or a negative status.
+POWERINFER_API int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
+                                                 int32_t n_tokens, int32_t pos, bool logits_all,
+                                                 float * logits, int32_t n_rows_max);
+// Starts sequence seq running ahead: tokens (n_tokens >= 1) are decoded at positions pos...,
+// then a token is sampled with smpl from the last row and handed over, and decoded in the
+// next step, and so on, until n_predict tokens were sampled (<= 0: no limit), an
+// end-of-generation token or one of stop_tokens was sampled, the next decode would be at
+// position pos_limit or beyond, powerinfer_batcher_stop, or an error. The last token
+// sampled is never decoded. smpl is the batcher's until powerinfer_batcher_stop returns.
+POWERINFER_API int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
+                                                   int32_t n_tokens, int32_t pos, struct powerinfer_sampler * smpl,
+                                                   int32_t n_predict, int32_t pos_limit,
+                                                   const powerinfer_token * stop_tokens, int32_t n_stop_tokens);
+// Waits for sequence seq's next sampled tokens and copies up to n_max of them. Returns their
+// number; 0 once the run has ended and every token was taken; a negative status if an error
+// ended it (after its tokens were taken).
+POWERINFER_API int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, int32_t seq, powerinfer_token * tokens, int32_t n_max);
+// Ends sequence seq's run, if any, and waits until no step computes or samples for it; then
+// the sequence keeps its first n_keep positions (n_keep < 0: all it has).
+POWERINFER_API int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep);
+// A lockstep sequence decodes one step after another through powerinfer_batcher_decode: a
+// step waits for each of them to ask (max_gather_ms at most) before it starts.
+POWERINFER_API int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t seq, bool on);
+// Exclusive use of the context between two steps.
+POWERINFER_API void powerinfer_batcher_lock(struct powerinfer_batcher * b);
+POWERINFER_API void powerinfer_batcher_unlock(struct powerinfer_batcher * b);
+POWERINFER_API struct powerinfer_batcher_stats powerinfer_batcher_get_stats(struct powerinfer_batcher * b);
 
 // Context state (cached positions, their keys/values, the last logits) as bytes.
 // powerinfer_state_size is exact for the current state; save returns the bytes written

@@ -1,0 +1,111 @@
+"""`Batcher`: an owned `struct powerinfer_batcher *`, the continuous-batching thread of a
+Context with several sequences (batcher.c): decodes asked for by several threads become
+one batch per step, and sequences that run ahead are sampled in the core.
+
+Every call that waits (decode, next, stop, lock) releases the GIL while it waits (cffi
+releases it around every call), so Python threads keep running while a step computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, Sequence
+
+import numpy as np
+
+from .bindings import ffi, lib
+from .context import Context
+from .errors import OK, core_error
+from .handle import Handle
+from .sampler import Sampler
+
+
+class Batcher(Handle):
+    """The batcher of `ctx` (made with n_seq_max > 1). While it exists, decode the context
+    only through it, and touch it otherwise (KV edits, counters) inside `locked()`."""
+
+    _kind = "batcher"
+
+    def __init__(self, ctx: Context, *, lookahead: int = 16, max_gather_ms: float = 20.0):
+        self.ctx = ctx  # the batcher computes on it: keep it alive
+        self.n_vocab = ctx.n_vocab
+        params = lib.powerinfer_batcher_default_params()
+        params.lookahead = int(lookahead)
+        params.max_gather_ms = float(max_gather_ms)
+        ptr = lib.powerinfer_batcher_new(ctx.ptr, params)
+        if ptr == ffi.NULL:
+            raise core_error("could not start the batcher")
+        self._ptr = ptr
+        self._token_bufs: Dict[int, "ffi.CData"] = {}
+
+    def _free(self, ptr) -> None:
+        lib.powerinfer_batcher_free(ptr)
+
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, logits_all: bool, out: np.ndarray) -> int:
+        """Compute `tokens` of sequence `seq` at positions pos, pos+1, ... in the next step and
+        wait for it; the logits rows (every token's with logits_all, else the last one's) are
+        written to `out` (float32, C-contiguous, [rows, n_vocab]). Returns the rows written."""
+        n = len(tokens)
+        if out.dtype != np.float32 or not out.flags.c_contiguous or out.size % self.n_vocab:
+            raise ValueError("decode: out must be a C-contiguous float32 array of whole logits rows")
+        buf = ffi.new("powerinfer_token[]", [int(t) for t in tokens])
+        rows = lib.powerinfer_batcher_decode(self.ptr, seq, buf, n, pos, logits_all,
+                                             ffi.from_buffer("float[]", out), out.size // self.n_vocab)
+        if rows < 0:
+            raise core_error(f"decode of {n} tokens of sequence {seq} at position {pos} failed", rows)
+        return int(rows)
+
+    def generate(self, seq: int, tokens: Sequence[int], pos: int, sampler: Sampler, n_predict: int,
+                 pos_limit: int, stop_tokens: Sequence[int] = ()) -> None:
+        """Start sequence `seq` running ahead (powerinfer_batcher_generate): `tokens` at
+        positions pos..., then a token sampled with `sampler` from each step's row is handed
+        over (next()) and decoded in the next step, until n_predict tokens (<= 0: no limit),
+        an end-of-generation token or one of `stop_tokens`, position pos_limit, stop() or an
+        error. `sampler` is the batcher's until stop() returns."""
+        n = len(tokens)
+        buf = ffi.new("powerinfer_token[]", [int(t) for t in tokens])
+        stop = ffi.new("powerinfer_token[]", [int(t) for t in stop_tokens]) if stop_tokens else ffi.NULL
+        rc = lib.powerinfer_batcher_generate(self.ptr, seq, buf, n, pos, sampler.ptr, int(n_predict), int(pos_limit),
+                                             stop, len(stop_tokens))
+        if rc != OK:
+            raise core_error(f"sequence {seq} could not start generating", rc)
+
+    def next(self, seq: int, n_max: int = 64) -> List[int]:
+        """The next tokens sequence `seq` sampled (waits for at least one); [] once its run
+        has ended and every token was taken; raises PowerInferError if an error ended it."""
+        buf = self._token_bufs.get(seq)
+        if buf is None or len(buf) < n_max:
+            buf = self._token_bufs[seq] = ffi.new("powerinfer_token[]", n_max)
+        n = lib.powerinfer_batcher_next(self.ptr, seq, buf, n_max)
+        if n < 0:
+            raise core_error(f"sequence {seq} stopped generating", n)
+        return ffi.unpack(buf, n) if n else []
+
+    def stop(self, seq: int, n_keep: int = -1) -> None:
+        """End sequence `seq`'s run (if any) once no step computes for it, then keep its first
+        n_keep cached positions (< 0: all)."""
+        rc = lib.powerinfer_batcher_stop(self.ptr, seq, int(n_keep))
+        if rc != OK:
+            raise core_error(f"sequence {seq} could not be stopped", rc)
+
+    def set_lockstep(self, seq: int, on: bool) -> None:
+        """A lockstep sequence decodes step after step through decode(): each step waits for
+        its next request (the last step's duration, max_gather_ms at most)."""
+        rc = lib.powerinfer_batcher_set_lockstep(self.ptr, seq, bool(on))
+        if rc != OK:
+            raise core_error(f"set_lockstep({seq})", rc)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Context]:
+        """The context between two steps, for KV edits and counters."""
+        ptr = self.ptr
+        lib.powerinfer_batcher_lock(ptr)
+        try:
+            yield self.ctx
+        finally:
+            lib.powerinfer_batcher_unlock(ptr)
+
+    def stats(self) -> Dict[str, float]:
+        """struct powerinfer_batcher_stats as a dict."""
+        st = lib.powerinfer_batcher_get_stats(self.ptr)
+        return {name: getattr(st, name) for name, _ in ffi.typeof(st).fields}

@@ -1,0 +1,739 @@
+// batcher.c - continuous batching: one thread computes the decodes of every sequence of a
+// context as one batch per step, and samples for the sequences that run ahead.
+//
+// Why a thread in the core: a step of 4 sequences costs about 1.5 steps of one, but only if
+// the 4 tokens are there when the step starts. When each sequence's caller sampled its own
+// token (Python, one at a time under the GIL), every step waited for the slowest caller.
+// A sequence that runs ahead is sampled here, right after its row is computed, and its
+// token goes into the next step; its caller takes the tokens when it gets to them
+// (powerinfer_batcher_next), at most `lookahead` behind.
+//
+// Locks: `mu` guards the batcher's state (requests, runs, handed-over tokens); `ctx_mu` is
+// held while a step uses the context (and by powerinfer_batcher_lock). The thread takes
+// ctx_mu before it lets go of mu after choosing a step's work, so a sequence stopped in
+// between (powerinfer_batcher_stop takes ctx_mu after marking the run ended) is trimmed only
+// after that step: nothing the step computes for it stays in the cache.
+#include "powerinfer-impl.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PI_BATCHER_ERR_LEN 512
+
+struct pi_bseq {
+    pthread_cond_t cv;  // the caller waits here: a request done, tokens handed over, a run ended
+
+    // A decode request (powerinfer_batcher_decode): its caller waits for it.
+    bool                     req_pending;  // asked for, not yet computed
+    bool                     req_done;
+    const powerinfer_token * req_tokens;
+    int32_t                  req_n, req_pos;
+    bool                     req_all;      // every token's logits
+    float *                  req_out;
+    int32_t                  req_rows_max;
+    int32_t                  req_status;   // rows copied, or a negative status
+    bool                     lockstep;
+
+    // A run ahead (powerinfer_batcher_generate).
+    bool                        running;   // tokens may still be sampled
+    struct powerinfer_sampler * smpl;
+    powerinfer_token *          in;        // tokens to decode next (the prompt's rest, then the last sampled token)
+    int32_t                     n_in, in_cap, in_pos;
+    int32_t                     n_left;    // tokens it may still sample (< 0: no limit)
+    int32_t                     pos_limit;
+    powerinfer_token *          stop;      // tokens that end the run, besides end-of-generation ones
+    int32_t                     n_stop, stop_cap;
+    powerinfer_token *          out;       // sampled, not yet handed over: a ring of `lookahead` tokens
+    int32_t                     out_head, n_out;
+    int32_t                     end_status;  // why the run ended: POWERINFER_OK or a negative status
+
+    char err[PI_BATCHER_ERR_LEN];  // the message of a failed request or run
+};
+
+// One piece of a step's work: a request, or a running sequence's next tokens.
+struct pi_bitem {
+    int32_t                  seq;
+    bool                     is_run;
+    const powerinfer_token * tokens;
+    int32_t                  n, pos;
+    int32_t                  n_rows;   // logits rows it gets
+    int32_t                  row;      // its first row in the step's output
+    int32_t                  status;   // of its decode
+    powerinfer_token         sampled;  // a run's new token, or -1
+    char                     err[PI_BATCHER_ERR_LEN];  // the message of a failed status
+};
+
+struct powerinfer_batcher {
+    struct powerinfer_context *     ctx;
+    struct powerinfer_batcher_params params;
+    int32_t                         n_seq, n_vocab;
+    bool                            dense;    // the whole step in one batch (no sparse path to keep)
+    int32_t                         sparse_max_batch;
+
+    pthread_mutex_t mu;
+    pthread_cond_t  work_cv;   // the thread waits here for work
+    pthread_mutex_t ctx_mu;
+    pthread_t       thread;
+    bool            started;
+    bool            quit;
+    int32_t         n_inside;  // callers inside a waiting call (free() waits for them to leave)
+    int32_t         n_ctx_waiters; // callers waiting for ctx_mu: the thread lets them have it first
+    pthread_cond_t  left_cv;
+
+    struct pi_bseq * seqs;     // [n_seq]
+    double           step_ms;  // moving average of a step's compute time
+    struct powerinfer_batcher_stats stats;
+
+    // A step's batch, reused: items, then tokens, sequence ids and logits flags.
+    struct pi_bitem *  items;  // [n_seq]
+    powerinfer_token * b_tok;
+    int32_t *          b_seq;
+    int8_t *           b_logits;
+    int32_t            b_cap;
+};
+
+struct powerinfer_batcher_params powerinfer_batcher_default_params(void) {
+    struct powerinfer_batcher_params p = {
+        .lookahead     = 16,
+        .max_gather_ms = 20.0f,
+    };
+    return p;
+}
+
+static void set_err(struct pi_bseq * q, const char * msg) {
+    snprintf(q->err, sizeof(q->err), "%s", msg && *msg ? msg : "unknown error");
+}
+
+// A run's work is ready for a step: tokens to decode, and room for the token it will sample.
+static bool run_ready(const struct powerinfer_batcher * b, const struct pi_bseq * q) {
+    return q->running && q->n_in > 0 && q->n_out < b->params.lookahead;
+}
+
+static bool has_work(const struct powerinfer_batcher * b) {
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        if (b->seqs[s].req_pending || run_ready(b, &b->seqs[s])) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static int32_t lockstep_missing(const struct powerinfer_batcher * b) {
+    int32_t n = 0;
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        n += b->seqs[s].lockstep && !b->seqs[s].req_pending;
+    }
+    return n;
+}
+
+static void deadline_after(struct timespec * ts, double ms) {
+    clock_gettime(CLOCK_REALTIME, ts);
+    const long long ns = (long long) ts->tv_nsec + (long long) (ms * 1e6);
+    ts->tv_sec += (time_t) (ns / 1000000000LL);
+    ts->tv_nsec = (long) (ns % 1000000000LL);
+}
+
+static int32_t grow_batch(struct powerinfer_batcher * b, int32_t n) {
+    if (n <= b->b_cap) {
+        return POWERINFER_OK;
+    }
+    int32_t cap = b->b_cap ? b->b_cap : 64;
+    while (cap < n) cap *= 2;
+    powerinfer_token * t = realloc(b->b_tok, (size_t) cap * sizeof(*t));
+    if (t) b->b_tok = t;
+    int32_t * q = realloc(b->b_seq, (size_t) cap * sizeof(*q));
+    if (q) b->b_seq = q;
+    int8_t * l = realloc(b->b_logits, (size_t) cap);
+    if (l) b->b_logits = l;
+    if (!t || !q || !l) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    b->b_cap = cap;
+    return POWERINFER_OK;
+}
+
+// The step's work, under mu: every pending request and every ready run, one-token pieces
+// first (the order of the groups below).
+static int32_t collect(struct powerinfer_batcher * b) {
+    int32_t n = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+        for (int32_t s = 0; s < b->n_seq; ++s) {
+            struct pi_bseq * q = &b->seqs[s];
+            struct pi_bitem it = { .seq = s, .sampled = -1, .status = POWERINFER_OK, .err = "" };
+            if (q->req_pending) {
+                it.is_run = false;
+                it.tokens = q->req_tokens;
+                it.n      = q->req_n;
+                it.pos    = q->req_pos;
+                it.n_rows = q->req_all ? q->req_n : 1;
+            } else if (run_ready(b, q)) {
+                it.is_run = true;
+                it.tokens = q->in;
+                it.n      = q->n_in;
+                it.pos    = q->in_pos;
+                it.n_rows = 1;
+            } else {
+                continue;
+            }
+            if ((it.n == 1) != (pass == 0)) {
+                continue;
+            }
+            b->items[n++] = it;
+        }
+    }
+    return n;
+}
+
+// Items [i0, i1) as one powerinfer_decode_batch, under ctx_mu; then the requests' rows are
+// copied out and the runs sampled.
+static void compute_group(struct powerinfer_batcher * b, struct pi_bitem * items, int32_t n_items) {
+    struct powerinfer_context * ctx = b->ctx;
+    int32_t n_tok = 0;
+    for (int32_t i = 0; i < n_items; ++i) {
+        n_tok += items[i].n;
+    }
+    int32_t rc = grow_batch(b, n_tok);
+    // Cells from pos on are overwritten, as by powerinfer_decode: the sequence forgets them.
+    int32_t k = 0, row = 0;
+    for (int32_t i = 0; i < n_items && rc == POWERINFER_OK; ++i) {
+        struct pi_bitem * it = &items[i];
+        const int32_t n_cached = powerinfer_kv_seq_pos_max(ctx, it->seq) + 1;
+        if (it->pos > n_cached) {
+            it->status = pi_fail(POWERINFER_ERR_INVALID_ARG, "position %d is past the %d cached positions of sequence %d",
+                                 it->pos, n_cached, it->seq);
+            snprintf(it->err, sizeof(it->err), "%s", powerinfer_last_error());
+            continue;
+        }
+        if (it->pos < n_cached) {
+            powerinfer_kv_seq_rm(ctx, it->seq, it->pos, -1);
+        }
+        for (int32_t j = 0; j < it->n; ++j) {
+            b->b_tok[k + j]    = it->tokens[j];
+            b->b_seq[k + j]    = it->seq;
+            b->b_logits[k + j] = j >= it->n - it->n_rows;
+        }
+        it->row = row;
+        row += it->n_rows;
+        k += it->n;
+    }
+    if (rc == POWERINFER_OK && k > 0) {
+        const double t0 = pi_time_ms();
+        struct powerinfer_batch batch = { .n_tokens = k, .token = b->b_tok, .pos = NULL, .seq_id = b->b_seq,
+                                          .logits = b->b_logits };
+        rc = powerinfer_decode_batch(ctx, batch);
+        const double dt = pi_time_ms() - t0;
+        b->step_ms = b->step_ms == 0.0 ? dt : 0.8 * b->step_ms + 0.2 * dt;
+        b->stats.n_steps += 1;
+        b->stats.busy_ms += dt;
+        if (k > b->stats.max_batch_tokens) b->stats.max_batch_tokens = k;
+        for (int32_t i = 0; i < n_items; ++i) {
+            if (items[i].status == POWERINFER_OK) {
+                if (items[i].n > 1) b->stats.n_prompt_tokens += items[i].n;
+                else b->stats.n_gen_tokens += 1;
+            }
+        }
+    }
+    for (int32_t i = 0; i < n_items; ++i) {
+        struct pi_bitem * it = &items[i];
+        if (it->status != POWERINFER_OK) {
+            continue;
+        }
+        if (rc != POWERINFER_OK) {
+            it->status = rc;
+            snprintf(it->err, sizeof(it->err), "%s", powerinfer_last_error());
+            continue;
+        }
+        struct pi_bseq * q = &b->seqs[it->seq];
+        if (it->is_run) {
+            // The sampler is the run's until powerinfer_batcher_stop returns, which waits for ctx_mu.
+            it->sampled = powerinfer_sampler_sample(q->smpl, ctx, it->row);
+            if (it->sampled < 0) {
+                it->status = powerinfer_last_status() != POWERINFER_OK ? powerinfer_last_status() : POWERINFER_ERR_INTERNAL;
+                snprintf(it->err, sizeof(it->err), "sampling failed: %s", powerinfer_last_error());
+            }
+        } else {
+            const float * src = powerinfer_get_logits_ith(ctx, it->row);
+            memcpy(q->req_out, src, (size_t) it->n_rows * (size_t) b->n_vocab * sizeof(float));
+        }
+    }
+}
+
+static bool is_stop(const struct powerinfer_batcher * b, const struct pi_bseq * q, powerinfer_token t) {
+    for (int32_t i = 0; i < q->n_stop; ++i) {
+        if (q->stop[i] == t) {
+            return true;
+        }
+    }
+    return powerinfer_token_is_eog(b->ctx->model, t);
+}
+
+// The results of items, under mu: requests are done, runs hand over their token and go on.
+static void publish(struct powerinfer_batcher * b, const struct pi_bitem * items, int32_t n_items) {
+    for (int32_t i = 0; i < n_items; ++i) {
+        const struct pi_bitem * it = &items[i];
+        struct pi_bseq * q = &b->seqs[it->seq];
+        if (it->status != POWERINFER_OK) {
+            set_err(q, it->err);
+        }
+        if (!it->is_run) {
+            q->req_pending = false;
+            q->req_done    = true;
+            q->req_status  = it->status == POWERINFER_OK ? it->n_rows : it->status;
+            pthread_cond_broadcast(&q->cv);
+            continue;
+        }
+        if (!q->running) {
+            continue;  // stopped meanwhile: powerinfer_batcher_stop trims what was computed
+        }
+        if (it->status != POWERINFER_OK) {
+            q->running    = false;
+            q->end_status = it->status;
+            q->n_in       = 0;
+            pthread_cond_broadcast(&q->cv);
+            continue;
+        }
+        const int32_t lookahead = b->params.lookahead;
+        q->out[(q->out_head + q->n_out) % lookahead] = it->sampled;
+        q->n_out += 1;
+        const int32_t next_pos = it->pos + it->n;
+        if (q->n_left > 0) q->n_left -= 1;
+        if (q->n_left == 0 || next_pos >= q->pos_limit || is_stop(b, q, it->sampled)) {
+            q->running    = false;  // the last token sampled is not decoded
+            q->end_status = POWERINFER_OK;
+            q->n_in       = 0;
+        } else {
+            q->in[0]  = it->sampled;
+            q->n_in   = 1;
+            q->in_pos = next_pos;
+        }
+        pthread_cond_broadcast(&q->cv);
+    }
+}
+
+static void * run(void * arg) {
+    struct powerinfer_batcher * b = arg;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        while (!b->quit && !has_work(b)) {
+            pthread_cond_wait(&b->work_cv, &b->mu);
+        }
+        if (b->quit) {
+            break;
+        }
+        // Let the lockstep sequences ask for their next decode, for one step's time at most.
+        if (lockstep_missing(b) > 0) {
+            double wait_ms = b->step_ms < b->params.max_gather_ms ? b->step_ms : b->params.max_gather_ms;
+            struct timespec until;
+            deadline_after(&until, wait_ms);
+            while (!b->quit && lockstep_missing(b) > 0) {
+                if (pthread_cond_timedwait(&b->work_cv, &b->mu, &until) == ETIMEDOUT) {
+                    break;
+                }
+            }
+            if (b->quit) {
+                break;
+            }
+        }
+        // A caller waiting for the context (a KV edit, a stop) gets it before this step: a
+        // mutex hands itself to whoever asks first, and that would be this thread, step
+        // after step.
+        while (!b->quit && b->n_ctx_waiters > 0) {
+            pthread_cond_wait(&b->work_cv, &b->mu);
+        }
+        if (b->quit) {
+            break;
+        }
+        const int32_t n_items = collect(b);
+        if (n_items == 0) {
+            continue;  // what there was to do went away meanwhile (a stop)
+        }
+        // Take the context before letting go of mu: see the file's header.
+        pthread_mutex_lock(&b->ctx_mu);
+        pthread_mutex_unlock(&b->mu);
+        // Groups: the whole step for a dense model; with a sparse model at most
+        // sparse_max_batch tokens each, and a longer request or a sequence's first token alone.
+        int32_t i = 0;
+        while (i < n_items) {
+            int32_t j = i + 1, n_tok = b->items[i].n;
+            const bool alone = !b->dense && (b->items[i].n > b->sparse_max_batch || b->items[i].pos == 0);
+            while (!alone && j < n_items) {
+                const struct pi_bitem * it = &b->items[j];
+                if (!b->dense && (it->n > b->sparse_max_batch || it->pos == 0 || n_tok + it->n > b->sparse_max_batch)) {
+                    break;
+                }
+                n_tok += it->n;
+                ++j;
+            }
+            compute_group(b, b->items + i, j - i);
+            pthread_mutex_lock(&b->mu);
+            publish(b, b->items + i, j - i);
+            pthread_mutex_unlock(&b->mu);
+            i = j;
+        }
+        pthread_mutex_unlock(&b->ctx_mu);
+        pthread_mutex_lock(&b->mu);
+    }
+    // Closing: nothing more will be computed.
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        struct pi_bseq * q = &b->seqs[s];
+        if (q->req_pending) {
+            q->req_pending = false;
+            q->req_done    = true;
+            q->req_status  = POWERINFER_ERR_INVALID_ARG;
+            set_err(q, "the batcher was closed");
+        }
+        if (q->running) {
+            q->running    = false;
+            q->end_status = POWERINFER_ERR_INVALID_ARG;
+            set_err(q, "the batcher was closed");
+        }
+        pthread_cond_broadcast(&q->cv);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * ctx, struct powerinfer_batcher_params params) {
+    pi_clear_error();
+    if (!ctx) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_new: context is NULL");
+        return NULL;
+    }
+    if (params.lookahead < 1 || params.lookahead > 4096) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "lookahead = %d must be in [1, 4096]", params.lookahead);
+        return NULL;
+    }
+    if (!(params.max_gather_ms >= 0.0f && params.max_gather_ms <= 10000.0f)) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "max_gather_ms = %g must be in [0, 10000]", params.max_gather_ms);
+        return NULL;
+    }
+    struct powerinfer_batcher * b = calloc(1, sizeof(*b));
+    if (!b) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        return NULL;
+    }
+    b->ctx              = ctx;
+    b->params           = params;
+    b->n_seq            = (int32_t) ctx->kv.n_seq_max;
+    b->n_vocab          = ctx->model->hp.n_vocab;
+    b->dense            = ctx->model->hp.sparse_mode == POWERINFER_SPARSE_DENSE;
+    b->sparse_max_batch = powerinfer_sparse_max_batch(ctx);
+    b->seqs             = calloc((size_t) b->n_seq, sizeof(*b->seqs));
+    b->items            = calloc((size_t) b->n_seq, sizeof(*b->items));
+    bool ok = b->seqs && b->items;
+    for (int32_t s = 0; ok && s < b->n_seq; ++s) {
+        b->seqs[s].out = malloc((size_t) params.lookahead * sizeof(powerinfer_token));
+        ok = b->seqs[s].out != NULL;
+    }
+    if (!ok) {
+        pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        if (b->seqs) {
+            for (int32_t s = 0; s < b->n_seq; ++s) free(b->seqs[s].out);
+        }
+        free(b->seqs);
+        free(b->items);
+        free(b);
+        return NULL;
+    }
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_mutex_init(&b->ctx_mu, NULL);
+    pthread_cond_init(&b->work_cv, NULL);
+    pthread_cond_init(&b->left_cv, NULL);
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        pthread_cond_init(&b->seqs[s].cv, NULL);
+    }
+    if (pthread_create(&b->thread, NULL, run, b) != 0) {
+        pi_fail(POWERINFER_ERR_INTERNAL, "could not start the batcher's thread");
+        powerinfer_batcher_free(b);
+        return NULL;
+    }
+    b->started = true;
+    return b;
+}
+
+void powerinfer_batcher_free(struct powerinfer_batcher * b) {
+    if (!b) {
+        return;
+    }
+    pthread_mutex_lock(&b->mu);
+    b->quit = true;
+    pthread_cond_broadcast(&b->work_cv);
+    pthread_mutex_unlock(&b->mu);
+    if (b->started) {
+        pthread_join(b->thread, NULL);
+    }
+    // Callers still inside next()/decode() have been woken with an error: let them leave.
+    pthread_mutex_lock(&b->mu);
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        pthread_cond_broadcast(&b->seqs[s].cv);
+    }
+    while (b->n_inside > 0) {
+        pthread_cond_wait(&b->left_cv, &b->mu);
+    }
+    pthread_mutex_unlock(&b->mu);
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        pthread_cond_destroy(&b->seqs[s].cv);
+        free(b->seqs[s].out);
+        free(b->seqs[s].in);
+        free(b->seqs[s].stop);
+    }
+    pthread_cond_destroy(&b->work_cv);
+    pthread_cond_destroy(&b->left_cv);
+    pthread_mutex_destroy(&b->mu);
+    pthread_mutex_destroy(&b->ctx_mu);
+    free(b->seqs);
+    free(b->items);
+    free(b->b_tok);
+    free(b->b_seq);
+    free(b->b_logits);
+    free(b);
+}
+
+static int32_t check_seq(const struct powerinfer_batcher * b, int32_t seq, const char * what) {
+    if (!b) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: batcher is NULL", what);
+    }
+    if (seq < 0 || seq >= b->n_seq) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: sequence %d is outside [0, %d)", what, seq, b->n_seq);
+    }
+    return POWERINFER_OK;
+}
+
+static int32_t check_tokens(const struct powerinfer_batcher * b, const powerinfer_token * tokens, int32_t n, int32_t pos,
+                            const char * what) {
+    if (!tokens || n <= 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: no tokens given", what);
+    }
+    if (pos < 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: position %d is negative", what, pos);
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= b->n_vocab) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: token %d = %d is outside the vocabulary [0, %d)", what, i,
+                           tokens[i], b->n_vocab);
+        }
+    }
+    return POWERINFER_OK;
+}
+
+static bool busy(const struct pi_bseq * q) {
+    return q->req_pending || q->running;
+}
+
+int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
+                                  int32_t n_tokens, int32_t pos, bool logits_all, float * logits, int32_t n_rows_max) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_decode");
+    if (rc == POWERINFER_OK) rc = check_tokens(b, tokens, n_tokens, pos, "powerinfer_batcher_decode");
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    const int32_t n_rows = logits_all ? n_tokens : 1;
+    if (!logits || n_rows_max < n_rows) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_decode: room for %d logits rows, %d needed",
+                       logits ? n_rows_max : 0, n_rows);
+    }
+    pthread_mutex_lock(&b->mu);
+    struct pi_bseq * q = &b->seqs[seq];
+    if (b->quit || busy(q)) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_decode: %s", b->quit ? "the batcher was closed"
+                       : "the sequence is decoding or running ahead already");
+    }
+    q->req_pending  = true;
+    q->req_done     = false;
+    q->req_tokens   = tokens;
+    q->req_n        = n_tokens;
+    q->req_pos      = pos;
+    q->req_all      = logits_all;
+    q->req_out      = logits;
+    q->req_rows_max = n_rows_max;
+    pthread_cond_signal(&b->work_cv);
+    b->n_inside += 1;
+    while (!q->req_done) {
+        pthread_cond_wait(&q->cv, &b->mu);
+    }
+    b->n_inside -= 1;
+    rc = q->req_status;
+    q->req_done = false;
+    if (rc < 0) {
+        pi_fail(rc, "%s", q->err);
+    }
+    if (b->quit) pthread_cond_broadcast(&b->left_cv);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
+                                    int32_t n_tokens, int32_t pos, struct powerinfer_sampler * smpl,
+                                    int32_t n_predict, int32_t pos_limit,
+                                    const powerinfer_token * stop_tokens, int32_t n_stop_tokens) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_generate");
+    if (rc == POWERINFER_OK) rc = check_tokens(b, tokens, n_tokens, pos, "powerinfer_batcher_generate");
+    if (rc == POWERINFER_OK && n_stop_tokens > 0) rc = check_tokens(b, stop_tokens, n_stop_tokens, 0, "powerinfer_batcher_generate (stop tokens)");
+    if (rc == POWERINFER_OK && n_stop_tokens < 0) rc = pi_fail(POWERINFER_ERR_INVALID_ARG, "n_stop_tokens = %d", n_stop_tokens);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    if (!smpl) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_generate: sampler is NULL");
+    }
+    if (pos + n_tokens > pos_limit) {
+        return pi_fail(POWERINFER_ERR_CONTEXT_FULL, "powerinfer_batcher_generate: %d tokens at position %d pass the "
+                       "position limit %d", n_tokens, pos, pos_limit);
+    }
+    pthread_mutex_lock(&b->mu);
+    struct pi_bseq * q = &b->seqs[seq];
+    if (b->quit || busy(q) || q->n_out > 0) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_generate: %s", b->quit ? "the batcher was closed"
+                       : "the sequence is decoding or running ahead already (stop it first)");
+    }
+    if (q->in_cap < n_tokens) {
+        powerinfer_token * in = realloc(q->in, (size_t) n_tokens * sizeof(*in));
+        if (!in) {
+            pthread_mutex_unlock(&b->mu);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        q->in     = in;
+        q->in_cap = n_tokens;
+    }
+    if (q->stop_cap < n_stop_tokens) {
+        powerinfer_token * stop = realloc(q->stop, (size_t) n_stop_tokens * sizeof(*stop));
+        if (!stop) {
+            pthread_mutex_unlock(&b->mu);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        q->stop     = stop;
+        q->stop_cap = n_stop_tokens;
+    }
+    if (n_stop_tokens > 0) {
+        memcpy(q->stop, stop_tokens, (size_t) n_stop_tokens * sizeof(*stop_tokens));
+    }
+    q->n_stop = n_stop_tokens;
+    memcpy(q->in, tokens, (size_t) n_tokens * sizeof(*tokens));
+    q->n_in       = n_tokens;
+    q->in_pos     = pos;
+    q->smpl       = smpl;
+    q->n_left     = n_predict > 0 ? n_predict : -1;
+    q->pos_limit  = pos_limit;
+    q->out_head   = 0;
+    q->n_out      = 0;
+    q->end_status = POWERINFER_OK;
+    q->running    = true;
+    pthread_cond_signal(&b->work_cv);
+    pthread_mutex_unlock(&b->mu);
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, int32_t seq, powerinfer_token * tokens, int32_t n_max) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_next");
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    if (!tokens || n_max < 1) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_next: no room for tokens");
+    }
+    pthread_mutex_lock(&b->mu);
+    struct pi_bseq * q = &b->seqs[seq];
+    b->n_inside += 1;
+    while (q->n_out == 0 && q->running) {
+        pthread_cond_wait(&q->cv, &b->mu);
+    }
+    b->n_inside -= 1;
+    if (q->n_out > 0) {
+        const bool was_full = q->n_out >= b->params.lookahead;
+        const int32_t lookahead = b->params.lookahead;
+        int32_t n = q->n_out < n_max ? q->n_out : n_max;
+        for (int32_t i = 0; i < n; ++i) {
+            tokens[i] = q->out[(q->out_head + i) % lookahead];
+        }
+        q->out_head = (q->out_head + n) % lookahead;
+        q->n_out -= n;
+        if (was_full && q->running) {
+            pthread_cond_signal(&b->work_cv);  // it may run ahead again
+        }
+        rc = n;
+    } else {
+        rc = q->end_status;
+        if (rc < 0) {
+            pi_fail(rc, "%s", q->err);
+        }
+    }
+    if (b->quit) pthread_cond_broadcast(&b->left_cv);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+// ctx_mu for a caller, ahead of the thread's next step (it waits while n_ctx_waiters > 0).
+static void ctx_acquire(struct powerinfer_batcher * b) {
+    pthread_mutex_lock(&b->mu);
+    b->n_ctx_waiters += 1;
+    pthread_mutex_unlock(&b->mu);
+    pthread_mutex_lock(&b->ctx_mu);
+    pthread_mutex_lock(&b->mu);
+    b->n_ctx_waiters -= 1;
+    pthread_cond_broadcast(&b->work_cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_stop");
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    pthread_mutex_lock(&b->mu);
+    struct pi_bseq * q = &b->seqs[seq];
+    q->running  = false;
+    q->n_in     = 0;
+    q->n_out    = 0;
+    q->out_head = 0;
+    q->smpl     = NULL;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&b->mu);
+    // A step that took the sequence's tokens before the stop ends before ctx_mu is free.
+    ctx_acquire(b);
+    if (n_keep >= 0) {
+        rc = powerinfer_kv_seq_rm(b->ctx, seq, n_keep, -1);
+    }
+    pthread_mutex_unlock(&b->ctx_mu);
+    return rc;
+}
+
+int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t seq, bool on) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_set_lockstep");
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    pthread_mutex_lock(&b->mu);
+    b->seqs[seq].lockstep = on;
+    pthread_cond_signal(&b->work_cv);  // a step may be waiting for it
+    pthread_mutex_unlock(&b->mu);
+    return POWERINFER_OK;
+}
+
+void powerinfer_batcher_lock(struct powerinfer_batcher * b) {
+    if (b) ctx_acquire(b);
+}
+
+void powerinfer_batcher_unlock(struct powerinfer_batcher * b) {
+    if (b) pthread_mutex_unlock(&b->ctx_mu);
+}
+
+struct powerinfer_batcher_stats powerinfer_batcher_get_stats(struct powerinfer_batcher * b) {
+    struct powerinfer_batcher_stats st = { 0 };
+    if (b) {
+        ctx_acquire(b);  // the thread updates them while it holds ctx_mu
+        st = b->stats;
+        pthread_mutex_unlock(&b->ctx_mu);
+    }
+    return st;
+}
