@@ -16,14 +16,19 @@ with one client.
 from __future__ import annotations
 
 import argparse
+import http.client
+import itertools
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._machine import cpu_model, measure_bandwidth
 from ..assets.models import model_path as named_model_path
@@ -82,29 +87,94 @@ class _Server:
             self.proc.kill()
 
 
-def _chat(url: str, question: str, max_tokens: int, eos_bias: Dict[str, float]) -> Dict[str, Any]:
-    """One streamed chat request: its text, tokens (content chunks) and time to first token."""
-    import httpx
-
-    body = {
+def _chat_body(question: str, max_tokens: int, eos_bias: Dict[str, float]) -> Dict[str, Any]:
+    return {
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         "max_tokens": max_tokens, "temperature": 0, "stream": True, "logit_bias": eos_bias,
     }  # fmt: skip
+
+
+# A content chunk: `"content": "` followed by anything but the closing quote.
+_CONTENT = re.compile(rb'"content":\s*"[^"]')
+
+
+def _chat(url: str, question: str, max_tokens: int, eos_bias: Dict[str, float],
+          deadline: float = math.inf) -> Dict[str, Any]:
+    """One streamed chat request over a plain HTTP/1.1 connection: the raw stream (with the
+    arrival time of each piece) and the time to the first content chunk; the connection is
+    closed at `deadline` if the stream is still running ("complete": False). The stream is
+    parsed after the round (_parse): the clients share the server's CPUs, and a client that
+    decodes JSON per chunk (httpx with json.loads cost 0.7-1 ms per token here) takes CPU
+    time from the server it measures."""
+    parsed = urllib.parse.urlsplit(url)
+    body = json.dumps(_chat_body(question, max_tokens, eos_bias)).encode()
     t0 = time.perf_counter()
     ttft: Optional[float] = None
-    text, chunks = "", 0
+    pieces: List[Tuple[float, bytes]] = []
+    complete = True
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        while True:
+            data = r.read1(65536)
+            now = time.perf_counter()
+            if not data:
+                break
+            if ttft is None and _CONTENT.search((pieces[-1][1][-64:] if pieces else b"") + data):
+                ttft = now - t0
+            pieces.append((now, data))
+            if now >= deadline:
+                complete = False
+                break
+    finally:
+        conn.close()
+    return {"pieces": pieces, "ttft": ttft if ttft is not None else time.perf_counter() - t0, "complete": complete}
+
+
+def _chat_httpx(url: str, question: str, max_tokens: int, eos_bias: Dict[str, float],
+                deadline: float = math.inf) -> Dict[str, Any]:
+    """The same request with httpx, decoding each chunk as it arrives (--client httpx)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    ttft: Optional[float] = None
+    pieces: List[Tuple[float, bytes]] = []
+    complete = True
     with httpx.Client(timeout=600) as client:
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        with client.stream("POST", url + "/v1/chat/completions", json=_chat_body(question, max_tokens, eos_bias)) as r:
             r.raise_for_status()
             for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
+                now = time.perf_counter()
+                if line.startswith("data: {"):
+                    if json.loads(line[6:])["choices"][0].get("delta", {}).get("content"):
+                        ttft = ttft if ttft is not None else now - t0
+                    pieces.append((now, line.encode() + b"\n"))
+                if now >= deadline:
+                    complete = False
+                    break
+    return {"pieces": pieces, "ttft": ttft if ttft is not None else time.perf_counter() - t0, "complete": complete}
+
+
+def _parse(result: Dict[str, Any], deadline: float) -> Dict[str, Any]:
+    """The text of a raw stream, and its content chunks (tokens): all of them, and those
+    that arrived by `deadline`."""
+    text, chunks, in_time = "", 0, 0
+    tail = b""
+    for t, data in result.pop("pieces"):
+        lines = (tail + data).split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data: {"):
                 delta = json.loads(line[6:])["choices"][0].get("delta", {})
                 if delta.get("content"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
                     text += delta["content"]
                     chunks += 1
-    return {"text": text, "chunks": chunks, "ttft": ttft if ttft is not None else time.perf_counter() - t0}
+                    in_time += t <= deadline
+    return dict(result, text=text, chunks=chunks, chunks_in_time=in_time)
 
 
 # --stagger: request lengths, as fractions of --max-tokens, by question.
@@ -112,21 +182,32 @@ _STAGGER = [1.0, 0.5, 1.25, 0.75, 1.5, 0.625, 1.125, 0.875]
 
 
 def _round(url: str, clients: int, per_client: int, max_tokens: int, eos_bias: Dict[str, float],
-           stagger: bool) -> Dict[str, Any]:
-    """`clients` clients, each sending `per_client` requests one after another."""
-    jobs = [[(c * per_client + i) % len(QUESTIONS) for i in range(per_client)] for c in range(clients)]
-
+           stagger: bool, chat: Any = _chat, duration: float = 0.0) -> Dict[str, Any]:
+    """`clients` clients, each sending requests one after another: `per_client` of them, or
+    with `duration` as many as fit in that many seconds (the tokens that arrive in time
+    count: a steady state of `clients` streams, without the tail of a fixed request count
+    where the last client's requests run alone). Client c asks questions c*per_client,
+    c*per_client + 1, ... (modulo their number)."""
     def length(q: int) -> int:
         return max(1, round(max_tokens * _STAGGER[q % len(_STAGGER)])) if stagger else max_tokens
 
-    def client(questions: List[int]) -> List[Dict[str, Any]]:
-        return [dict(_chat(url, QUESTIONS[q], length(q), eos_bias), question=QUESTIONS[q]) for q in questions]
-
     t0 = time.perf_counter()
+    deadline = t0 + duration if duration > 0 else math.inf
+
+    def client(c: int) -> List[Dict[str, Any]]:
+        out = []
+        for i in itertools.count():
+            if (duration <= 0 and i >= per_client) or time.perf_counter() >= deadline:
+                break
+            q = (c * per_client + i) % len(QUESTIONS)
+            out.append(dict(chat(url, QUESTIONS[q], length(q), eos_bias, deadline), question=QUESTIONS[q]))
+        return out
+
     with ThreadPoolExecutor(clients) as ex:
-        results = [r for rs in ex.map(client, jobs) for r in rs]
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "results": results}
+        results = [r for rs in ex.map(client, range(clients)) for r in rs]
+    end = time.perf_counter()
+    wall = duration if duration > 0 else end - t0
+    return {"wall": wall, "results": [_parse(r, deadline) for r in results]}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -134,15 +215,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", default="smollm2", help="a name from powerinfer_py.assets.models, or a GGUF path")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (and --n_parallel)")
-    p.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    p.add_argument("--requests", type=int, default=2, help="requests per client per round (without --duration)")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="seconds per round: clients send requests until then, and the tokens that arrive in time "
+                        "count (default 0: --requests requests per client)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--stagger", action="store_true", help="vary the request lengths (0.5x to 1.5x --max-tokens)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per server and client count; the best is kept")
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python's server")
+    p.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                   help="lean: plain HTTP, streams parsed after each round (default); httpx: httpx, each chunk "
+                        "decoded as it arrives (the client then takes a share of the server's CPUs)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
-    if min(args.threads, args.clients, args.requests, args.max_tokens, args.rounds) < 1:
+    if min(args.threads, args.clients, args.requests, args.max_tokens, args.rounds) < 1 or args.duration < 0:
         p.error("--threads, --clients, --requests, --max-tokens and --rounds must be positive")
     model = args.model if os.path.isfile(args.model) else named_model_path(args.model)
 
@@ -166,8 +253,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for clients in (1, args.clients):
                 for server in servers:
                     print(f"round {rnd + 1}: {server.label}, {clients} client(s) ...", file=sys.stderr, flush=True)
-                    r = _round(server.url, clients, args.requests, args.max_tokens, eos_bias, args.stagger)
-                    r["tokens"] = sum(x["chunks"] for x in r["results"])
+                    r = _round(server.url, clients, args.requests, args.max_tokens, eos_bias, args.stagger,
+                               _chat if args.client == "lean" else _chat_httpx, args.duration)
+                    r["tokens"] = sum(x["chunks_in_time"] for x in r["results"])
                     r["tok_s"] = r["tokens"] / r["wall"]
                     key = (server.label, clients)
                     if key not in best or r["tok_s"] > best[key]["tok_s"]:
@@ -178,19 +266,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     rows, out = [], []
     for (label, clients), r in best.items():
-        solo = {x["question"]: x["text"] for x in best[(label, 1)]["results"]}
-        same = all(solo.get(x["question"], x["text"]) == x["text"] for x in r["results"])
-        ttft = statistics.median(x["ttft"] for x in r["results"])
+        # Streams cut at the round's end are left out of the comparison and the TTFT.
+        solo = {x["question"]: x["text"] for x in best[(label, 1)]["results"] if x["complete"]}
+        same = all(solo.get(x["question"], x["text"]) == x["text"] for x in r["results"] if x["complete"])
+        ttft = statistics.median(x["ttft"] for x in r["results"] if x["complete"])
         base = best[(label, 1)]
+        base_ttft = statistics.median(x["ttft"] for x in base["results"] if x["complete"])
         rows.append([label, str(clients), f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x",
-                     f"{ttft * 1000:.0f}", f"{ttft / statistics.median(x['ttft'] for x in base['results']):.2f}x",
+                     f"{ttft * 1000:.0f}", f"{ttft / base_ttft:.2f}x",
                      "yes" if same else "NO"])  # fmt: skip
         out.append({"server": label, "clients": clients, "tok_s": r["tok_s"], "ttft_median_s": ttft,
                     "outputs_equal_solo": same, "wall_s": r["wall"], "tokens": r["tokens"]})  # fmt: skip
     print_table(
         f"Concurrent streamed chat completions: {os.path.basename(model)}, {args.threads} threads, "
-        f"{args.requests} requests per client, {args.max_tokens} tokens each"
-        f"{' (staggered: 0.5x-1.5x)' if args.stagger else ''}; bandwidth {bandwidth:.1f} GB/s",
+        + (f"{args.duration:g} s per round" if args.duration > 0 else f"{args.requests} requests per client")
+        + f", {args.max_tokens} tokens each{' (staggered: 0.5x-1.5x)' if args.stagger else ''}; "
+        + f"{args.client} client; bandwidth {bandwidth:.1f} GB/s",
         ["server", "clients", "aggregate tok/s", "vs 1 client", "median TTFT ms", "TTFT vs 1 client",
          "outputs = 1-client run"],
         rows,
