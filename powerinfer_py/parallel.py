@@ -71,7 +71,6 @@ class _SequenceContext:
         self._logits = np.zeros((0, pool.n_vocab), dtype=np.float32)
         self._row = np.empty((1, pool.n_vocab), dtype=np.float32)  # a generation step's row, reused
         self.params = pool._ctx.params
-        self._keep: Optional[int] = None  # kv_truncate's, not yet applied
 
     def n_ctx(self) -> int:
         return self._n_ctx
@@ -82,16 +81,7 @@ class _SequenceContext:
     def n_outputs(self) -> int:
         return len(self._logits)
 
-    def settle(self, pos: Optional[int] = None) -> None:
-        """Before the sequence's next use of the context (a decode or run at `pos`): apply a
-        truncation kv_truncate left pending, unless the decode at pos overwrites it anyway
-        (the batcher forgets a sequence's cells from the position it decodes at)."""
-        keep, self._keep = self._keep, None
-        if keep is not None and (pos is None or pos > keep):
-            self._pool._with_ctx(lambda ctx: ctx.kv_seq_rm(self.seq, keep, -1))
-
     def decode(self, tokens: Sequence[int], pos: int, logits_all: bool = False) -> None:
-        self.settle(pos)
         # One row reuses the sequence's buffer, as a Context reuses its own: the slot's view of
         # the previous row is valid until its next decode, which is this one (and a fresh
         # 200-600 KB array per token is a fresh mmap, whose pages fault in one by one).
@@ -109,14 +99,11 @@ class _SequenceContext:
         return self._logits[start] if n_rows == 1 else self._logits[start : start + n_rows]
 
     def kv_pos(self) -> int:
-        self.settle()
         return self._pool._with_ctx(lambda ctx: ctx.kv_seq_pos_max(self.seq) + 1)
 
     def kv_truncate(self, n_keep: int) -> None:
-        # Left for the next decode, which is nearly always at n_keep (a prompt's rest after its
-        # cached prefix): that decode overwrites the cells anyway, and truncating now would
-        # wait for the step the batcher is computing.
-        self._keep = n_keep if self._keep is None else min(self._keep, n_keep)
+        # Queued: applied before the next step, without waiting for the one being computed.
+        self._pool._batcher.kv_keep(self.seq, n_keep)
 
     def timings(self) -> Dict[str, float]:
         return self._pool._with_ctx(lambda ctx: ctx.timings())
@@ -300,10 +287,10 @@ class ParallelLlama:
                 if n > best_len:
                     best, best_len = other, n
             if best is not None:
+                # Queued while `best` is held idle here: the batcher applies it before any later
+                # request of `best` (its edits are applied in the order queued, ahead of decodes).
+                self._batcher.kv_share(slot.seq_id, best.seq_id, best_len)
                 src = best
-                self._with_ctx(lambda ctx: (ctx.kv_seq_rm(slot.seq_id, 0, -1),
-                                            ctx.kv_seq_cp(src.seq_id, slot.seq_id, 0, best_len)))
-                slot._ctx._keep = None
                 slot.input_ids[:best_len] = src.input_ids[:best_len]
                 slot.n_tokens = best_len
                 slot._requires_eval = True
@@ -360,7 +347,6 @@ class ParallelLlama:
                     slot.n_tokens = pos + len(todo)
                     return
                 slot._requires_eval = True  # the last logits are the core's, not in the slot
-                slot._ctx.settle(pos)
                 batcher.generate(seq, todo, pos, sampler, n_predict or 0, slot._n_ctx, stop_tokens)
                 slot.input_ids[pos : pos + len(todo)] = todo
                 slot.n_tokens = pos + len(todo)
@@ -379,7 +365,6 @@ class ParallelLlama:
                             # Draft tokens to check: that is Llama.generate's loop, on rows of
                             # logits in Python; the run ahead ends at the token sent back.
                             batcher.stop(seq, slot.n_tokens)
-                            slot._ctx._keep = None
                             yield from self._lockstep(slot, generation._generate(
                                 slot, [token, *(int(t) for t in drafts)], sampler, False, None, verify=True))
                             return
@@ -390,7 +375,6 @@ class ParallelLlama:
                 todo, n_predict = [last], None
         finally:
             batcher.stop(seq, slot.n_tokens)
-            slot._ctx._keep = None  # the stop kept exactly the slot's tokens
             slot._requires_eval = True
             if slot._sampler is sampler:
                 slot._sampler = None

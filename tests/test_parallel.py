@@ -379,6 +379,27 @@ def test_batcher_fails_a_bad_request_alone_and_keeps_serving(smol_llama):
             assert slot.create_completion("Hello", max_tokens=2)["choices"][0]["text"]
 
 
+def test_queued_cache_edits_apply_in_order(smol_llama):
+    """kv_keep and kv_share never wait for a step: they are applied before the next one (or
+    a lock), in the order queued, so an edit of a sequence queued after another sequence took
+    its prefix does not change what that one took."""
+    with ParallelLlama(smol_llama, n_parallel=3) as pool:
+        b = pool._batcher
+        out = np.empty((1, pool.n_vocab), dtype=np.float32)
+        prompt = smol_llama.tokenize(b"The capital of France is Paris, and")
+        b.decode(0, prompt, 0, False, out)
+        alone = out.copy()
+        b.kv_share(1, 0, 5)  # sequence 1 becomes the first 5 positions of sequence 0
+        b.kv_keep(0, 2)  # then sequence 0 keeps 2
+        b.kv_share(2, 0, 5)  # only 2 to take now
+        with b.locked() as ctx:
+            assert [ctx.kv_seq_pos_max(s) + 1 for s in range(3)] == [2, 5, 2]
+        b.decode(1, prompt[5:], 5, False, out)  # sequence 1 continues its 5 shared positions
+        np.testing.assert_array_equal(out, alone)
+        with pytest.raises(PowerInferError, match="outside"):
+            b.kv_share(1, 3, 1)
+
+
 def test_closing_the_pool_wakes_a_waiting_generation(smol_llama):
     """A thread waiting for its next token when the pool closes gets an error, not a hang."""
     pool = ParallelLlama(smol_llama, n_parallel=2)

@@ -95,9 +95,23 @@ class Batcher(Handle):
         if rc != OK:
             raise core_error(f"set_lockstep({seq})", rc)
 
+    def kv_keep(self, seq: int, n_keep: int) -> None:
+        """Sequence `seq` keeps its first n_keep cached positions: queued, applied before the
+        next step's decodes (or locked()), in the order queued; never waits for a step."""
+        rc = lib.powerinfer_batcher_kv_keep(self.ptr, seq, int(n_keep))
+        if rc != OK:
+            raise core_error(f"kv_keep({seq}, {n_keep})", rc)
+
+    def kv_share(self, dst: int, src: int, n: int) -> None:
+        """Sequence `dst` becomes sequence `src`'s first n positions (shared cells): queued like
+        kv_keep."""
+        rc = lib.powerinfer_batcher_kv_share(self.ptr, dst, src, int(n))
+        if rc != OK:
+            raise core_error(f"kv_share({dst}, {src}, {n})", rc)
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[Context]:
-        """The context between two steps, for KV edits and counters."""
+        """The context between two steps (queued edits applied), for KV queries and counters."""
         ptr = self.ptr
         lib.powerinfer_batcher_lock(ptr)
         try:

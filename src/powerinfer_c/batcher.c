@@ -67,6 +67,13 @@ struct pi_bitem {
     char                     err[PI_BATCHER_ERR_LEN];  // the message of a failed status
 };
 
+// A queued edit of a sequence's cells (powerinfer_batcher_kv_keep, _kv_share).
+struct pi_bedit {
+    int32_t seq;
+    int32_t src;  // < 0: keep seq's first n positions; else seq becomes src's first n positions
+    int32_t n;
+};
+
 struct powerinfer_batcher {
     struct powerinfer_context *     ctx;
     struct powerinfer_batcher_params params;
@@ -85,6 +92,8 @@ struct powerinfer_batcher {
     pthread_cond_t  left_cv;
 
     struct pi_bseq * seqs;     // [n_seq]
+    struct pi_bedit * edits;   // queued, applied in order under ctx_mu before the next step's decodes
+    int32_t          n_edits, edits_cap;
     double           step_ms;  // moving average of a step's compute time
     struct powerinfer_batcher_stats stats;
 
@@ -128,6 +137,20 @@ static int32_t lockstep_missing(const struct powerinfer_batcher * b) {
         n += b->seqs[s].lockstep && !b->seqs[s].req_pending;
     }
     return n;
+}
+
+// The queued edits, in order (the caller holds mu and ctx_mu).
+static void apply_edits(struct powerinfer_batcher * b) {
+    for (int32_t i = 0; i < b->n_edits; ++i) {
+        const struct pi_bedit * e = &b->edits[i];
+        if (e->src < 0) {
+            powerinfer_kv_seq_rm(b->ctx, e->seq, e->n, -1);
+        } else {
+            powerinfer_kv_seq_rm(b->ctx, e->seq, 0, -1);
+            powerinfer_kv_seq_cp(b->ctx, e->src, e->seq, 0, e->n);
+        }
+    }
+    b->n_edits = 0;
 }
 
 static void deadline_after(struct timespec * ts, double ms) {
@@ -353,6 +376,7 @@ static void * run(void * arg) {
         }
         // Take the context before letting go of mu: see the file's header.
         pthread_mutex_lock(&b->ctx_mu);
+        apply_edits(b);
         pthread_mutex_unlock(&b->mu);
         // Groups: the whole step for a dense model; with a sparse model at most
         // sparse_max_batch tokens each, and a longer request or a sequence's first token alone.
@@ -487,6 +511,7 @@ void powerinfer_batcher_free(struct powerinfer_batcher * b) {
     pthread_mutex_destroy(&b->ctx_mu);
     free(b->seqs);
     free(b->items);
+    free(b->edits);
     free(b->b_tok);
     free(b->b_seq);
     free(b->b_logits);
@@ -672,6 +697,7 @@ int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, int32_t seq, powe
 }
 
 // ctx_mu for a caller, ahead of the thread's next step (it waits while n_ctx_waiters > 0).
+// The queued edits are applied first, so the caller sees them.
 static void ctx_acquire(struct powerinfer_batcher * b) {
     pthread_mutex_lock(&b->mu);
     b->n_ctx_waiters += 1;
@@ -679,8 +705,46 @@ static void ctx_acquire(struct powerinfer_batcher * b) {
     pthread_mutex_lock(&b->ctx_mu);
     pthread_mutex_lock(&b->mu);
     b->n_ctx_waiters -= 1;
+    apply_edits(b);
     pthread_cond_broadcast(&b->work_cv);
     pthread_mutex_unlock(&b->mu);
+}
+
+static int32_t queue_edit(struct powerinfer_batcher * b, int32_t seq, int32_t src, int32_t n, const char * what) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, what);
+    if (rc == POWERINFER_OK && src >= 0) rc = check_seq(b, src, what);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    if (n < 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: %d positions", what, n);
+    }
+    pthread_mutex_lock(&b->mu);
+    if (b->n_edits == b->edits_cap) {
+        const int32_t cap = b->edits_cap ? 2 * b->edits_cap : 16;
+        struct pi_bedit * e = realloc(b->edits, (size_t) cap * sizeof(*e));
+        if (!e) {
+            pthread_mutex_unlock(&b->mu);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        b->edits     = e;
+        b->edits_cap = cap;
+    }
+    b->edits[b->n_edits++] = (struct pi_bedit) { .seq = seq, .src = src, .n = n };
+    pthread_mutex_unlock(&b->mu);
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_batcher_kv_keep(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep) {
+    return queue_edit(b, seq, -1, n_keep, "powerinfer_batcher_kv_keep");
+}
+
+int32_t powerinfer_batcher_kv_share(struct powerinfer_batcher * b, int32_t dst, int32_t src, int32_t n) {
+    if (b && dst == src) {
+        return powerinfer_batcher_kv_keep(b, dst, n);
+    }
+    return queue_edit(b, dst, src, n, "powerinfer_batcher_kv_share");
 }
 
 int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep) {

@@ -340,7 +340,13 @@ POWERINFER_API int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, in
 // A lockstep sequence decodes one step after another through powerinfer_batcher_decode: a
 // step waits for each of them to ask (max_gather_ms at most) before it starts.
 POWERINFER_API int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t seq, bool on);
-// Exclusive use of the context between two steps.
+// Queue an edit of a sequence's cells, applied in the order queued before the next step's
+// decodes (or before powerinfer_batcher_lock returns), so the caller never waits for a step:
+// keep sequence seq's first n_keep positions; or make sequence dst the first n positions of
+// sequence src (shared cells; what dst had is forgotten).
+POWERINFER_API int32_t powerinfer_batcher_kv_keep(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep);
+POWERINFER_API int32_t powerinfer_batcher_kv_share(struct powerinfer_batcher * b, int32_t dst, int32_t src, int32_t n);
+// Exclusive use of the context between two steps (queued edits applied).
 POWERINFER_API void powerinfer_batcher_lock(struct powerinfer_batcher * b);
 POWERINFER_API void powerinfer_batcher_unlock(struct powerinfer_batcher * b);
 POWERINFER_API struct powerinfer_batcher_stats powerinfer_batcher_get_stats(struct powerinfer_batcher * b);
