@@ -573,6 +573,23 @@ def test_server_serves_slots_in_parallel(parallel_server):
         assert c.get("/health").json()["requests_waiting"] == 0
 
 
+def test_bench_clients_count_the_server_tokens(parallel_server):
+    """`bench parallel`'s clients: the plain-HTTP stream kept raw and decoded after the round
+    gives the text httpx reads chunk by chunk; a round of fixed duration counts only the
+    tokens that arrived in time and cuts the streams still running."""
+    from powerinfer_py.bench import parallel as bench
+
+    bias: Dict[str, float] = {}
+    lean = bench._parse(bench._chat(parallel_server.url, "What is a prime number?", 12, bias), float("inf"))
+    plain = bench._parse(bench._chat_httpx(parallel_server.url, "What is a prime number?", 12, bias), float("inf"))
+    assert lean["text"] == plain["text"] and lean["text"] and lean["complete"]
+    assert 0 < lean["chunks"] <= 12 and lean["chunks_in_time"] == lean["chunks"]
+    r = bench._round(parallel_server.url, 2, 1, 400, {"2": -100.0}, False, duration=1.0)
+    assert r["wall"] == 1.0 and r["results"]
+    assert all(x["chunks_in_time"] <= x["chunks"] for x in r["results"])
+    assert any(not x["complete"] for x in r["results"])  # 400 tokens take longer than a second
+
+
 def test_server_answers_503_while_loading(smollm2_path, monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -8,9 +8,15 @@ a shared system prompt (the prompt cache's case) and its own question, streamed,
 EOS banned so every request generates its length: `--max-tokens`, or with `--stagger`
 between half and 1.5 times that, by question (as chats differ in length; with equal
 lengths the clients' requests all start in the same step, and each waits for the others'
-prompts). Reported per server and client count: aggregate generated tokens/s, median time
-to first token, and whether each concurrent stream's text equals the same request's text
-with one client.
+prompts). A round lasts `--duration` seconds (the clients keep sending requests, and the
+tokens that arrive by then count: a steady state), or with `--duration 0` until each client
+has had `--requests` answers (the last requests then run with fewer clients). Reported per
+server and client count: aggregate generated tokens/s, median time to first token, and
+whether each concurrent stream's text equals the same request's text with one client.
+
+The clients are plain HTTP/1.1 connections that keep the raw streams and decode them after
+the round: they share the CPUs with the servers, and decoding JSON per chunk as it arrives
+(`--client httpx`) takes CPU time from the server being measured.
 """
 
 from __future__ import annotations
@@ -215,10 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", default="smollm2", help="a name from powerinfer_py.assets.models, or a GGUF path")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (and --n_parallel)")
-    p.add_argument("--requests", type=int, default=2, help="requests per client per round (without --duration)")
-    p.add_argument("--duration", type=float, default=0.0,
+    p.add_argument("--duration", type=float, default=10.0,
                    help="seconds per round: clients send requests until then, and the tokens that arrive in time "
-                        "count (default 0: --requests requests per client)")
+                        "count (0: --requests requests per client, the round lasting until the last one ends)")
+    p.add_argument("--requests", type=int, default=2, help="requests per client per round with --duration 0")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--stagger", action="store_true", help="vary the request lengths (0.5x to 1.5x --max-tokens)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per server and client count; the best is kept")
