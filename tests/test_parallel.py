@@ -284,6 +284,28 @@ def test_sparse_batch_uses_each_tokens_own_neurons(tiny_pwri, mode):
             assert np.abs(together[s][step] - ref).max() <= 1e-4 * np.abs(ref).max(), (mode, s, step)
 
 
+def test_sparse_pool_groups_its_steps(tiny_pwri):
+    """A ParallelLlama on a sparse model: the batcher keeps each step within the context's
+    sparse_max_batch tokens and computes a prompt holding a sequence's first token alone (the
+    core runs it dense), so every request takes its solo FFN path; the streams computed
+    together (run ahead and in lockstep) give their solo greedy tokens (the rounding bound
+    above, 1e-6 of the logits' scale here, is far below these logits' gaps)."""
+    with Llama(model_path=tiny_pwri, n_ctx=64, n_threads=2, verbose=False) as llm:
+        assert llm.sparse_mode_in_use() == "predictor"
+        prompts = [[1, 5, 9, 13], [1, 22, 7], [1, 40, 41, 42, 43], [1, 3]]
+        with ParallelLlama(llm, n_parallel=4) as pool:
+            def run(prompt, lockstep=False):
+                with pool.slot() as slot:
+                    kw = {"logits_processor": [lambda ids, scores: scores]} if lockstep else {}
+                    return slot.create_completion(prompt, max_tokens=8, temperature=0.0, **kw)["choices"][0]["text"]
+
+            solo = [run(p) for p in prompts]
+            together = list(ThreadPoolExecutor(4).map(run, prompts))
+            lockstep = list(ThreadPoolExecutor(4).map(lambda p: run(p, True), prompts))
+            assert together == solo and lockstep == solo
+            assert pool.stats["batch_tokens_max"] <= pool._ctx.sparse_max_batch()
+
+
 def test_decode_batch_rejects_bad_input_and_keeps_the_cache(smol_model):
     with _ctx(smol_model, n_seq=2, n_ctx=256) as c:
         c.decode_batch([1, 2, 3], [0, 0, 0], [False, False, True])
