@@ -19,12 +19,13 @@ Design (docs/parallel.md):
   columns and compute every column alone: a step of 4 costs about 1.5 steps of 1 and each
   stream equals its solo run bit for bit.
 - A slot's generation runs ahead in the core when the core can sample it alone (no Python
-  logits processor but a trailing logit bias, no stopping criteria, no logits of every
-  token): the batcher samples each token with the slot's sampler right after its row is
-  computed and decodes it in the next step, up to 16 tokens ahead of the slot's Python
-  code, which takes the tokens as it gets to them. Steps then never wait for Python.
-  Other generations run in lockstep: the slot samples in Python and each step waits for
-  the lockstep slots to ask (one step's duration at most).
+  logits processor but a trailing logit bias and cancel checks, no stopping criteria but
+  stop tokens, no logits rows read): the batcher samples each token with the slot's
+  sampler right after its row is computed and decodes it in the next step, up to 16
+  tokens ahead of the slot's Python code, which takes the tokens as it gets to them.
+  Steps then never wait for Python. Other generations run in lockstep: the slot samples
+  in Python and each step waits for the lockstep slots to ask (one step's duration at
+  most).
 - With a sparse model a step holds at most the context's sparse_max_batch tokens (above
   it the dense FFN would run); longer prompts and a sequence's first token are computed
   alone, so each request takes the FFN path it takes alone (up to summation order, see
@@ -356,6 +357,8 @@ class ParallelLlama:
                     if not got:
                         break
                     for token in got:
+                        for check in sampler.checks:  # as the sampler runs them before each token
+                            check.check()
                         if last is not None:  # the batcher decoded it before sampling this one
                             slot.input_ids[slot.n_tokens] = last
                             slot.n_tokens += 1

@@ -524,6 +524,26 @@ def test_stop_tokens_end_a_run_as_the_criterion_does(smol_llama):
         assert outs[0][0] == free[: free.index(stop) + 1]
 
 
+def test_a_cancel_check_stops_a_run_ahead(smol_llama):
+    """The server's cancel hook (a CancelCheck among the logits processors) keeps a slot's
+    generation sampled in the core and stops it at the next token once its event is set."""
+    from powerinfer_py._core import CancelCheck
+
+    class Stopped(Exception):
+        pass
+
+    with ParallelLlama(smol_llama, n_parallel=2) as pool, pool.slot() as slot:
+        event = threading.Event()
+        before = pool.stats["runs_ahead"]
+        chunks = slot.create_completion("Count: 1, 2, 3,", max_tokens=40, temperature=0.0, stream=True,
+                                        logits_processor=[CancelCheck(event, Stopped)])
+        got = [next(chunks), next(chunks)]
+        event.set()
+        with pytest.raises(Stopped):
+            got += list(chunks)
+        assert len(got) == 2 and pool.stats["runs_ahead"] == before + 1
+
+
 def test_draft_tokens_sent_into_a_run_ahead(smol_llama):
     """Draft tokens sent into a slot's generation (Llama.generate's protocol) are checked as
     Llama.generate checks them: the run ahead hands over to the Python loop at that token."""

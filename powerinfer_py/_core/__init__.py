@@ -15,6 +15,6 @@ from .batcher import Batcher
 from .context import Context, release_threads
 from .errors import PowerInferError, core_error
 from .model import SPARSE_MODES, Model
-from .sampler import LogitBias, Sampler
+from .sampler import CancelCheck, LogitBias, Sampler
 
-__all__ = ["Batcher", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]
+__all__ = ["Batcher", "CancelCheck", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]

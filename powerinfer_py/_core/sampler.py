@@ -53,6 +53,24 @@ def grammar_text(grammar: Any) -> tuple:
     return text, getattr(grammar, "_root", None) or "root"
 
 
+class CancelCheck:
+    """A logits processor that changes no logit and raises `error()` once `event` is set: a
+    way for another thread to stop a generation at its next token. A Sampler keeps these
+    apart from its logits processors (`checks`) and runs them before each token, so the
+    core can still sample such a generation alone."""
+
+    def __init__(self, event: Any, error: Callable[[], BaseException]):
+        self.event, self.error = event, error
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise self.error()
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        self.check()
+        return scores
+
+
 class Sampler(Handle):
     """Token selection for one generate() call.
 
@@ -87,6 +105,8 @@ class Sampler(Handle):
         self.model = model  # the chain reads the model's vocabulary: keep it alive
         self.n_vocab = model.n_vocab()
         processors = list(logits_processor) if logits_processor else []
+        self.checks = [p for p in processors if isinstance(p, CancelCheck)]  # before each token
+        processors = [p for p in processors if not isinstance(p, CancelCheck)]
         biases: List[LogitBias] = []
         while processors and isinstance(processors[-1], LogitBias):
             biases.insert(0, processors.pop())
@@ -139,6 +159,8 @@ class Sampler(Handle):
         """Select a token from logits row `row` of the last decode (negative: from the end)
         and record it (penalty history, grammar state). `ctx` is a Context, or anything
         with its logits(row) method (a sequence of a ParallelLlama)."""
+        for check in self.checks:
+            check.check()
         if self.logits_processor is None and isinstance(ctx, Context):
             token = int(lib.powerinfer_sampler_sample(self.ptr, ctx.ptr, row))
         else:

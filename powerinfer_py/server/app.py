@@ -48,7 +48,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import __version__
-from .._core import release_threads
+from .._core import CancelCheck, release_threads
 from .model import ModelProxy
 from .settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from .types import (
@@ -466,7 +466,7 @@ def _prepare_kwargs(
 
         processors.append(MinTokensLogitsProcessor(body.min_tokens, llama.token_eos()))
     if cancelled is not None:
-        processors.append(_CancelGeneration(cancelled))
+        processors.append(_cancel_check(cancelled))
     if processors:
         from .. import LogitsProcessorList
 
@@ -513,17 +513,12 @@ class _GenerationCancelled(Exception):
     """Raised inside the model's sampling loop to stop a generation nobody waits for."""
 
 
-class _CancelGeneration:
-    """A logits processor that ends the generation once `event` is set: the one hook into
-    the token loop that Llama.create_completion and create_chat_completion both take."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        if self.event.is_set():
-            raise _GenerationCancelled()
-        return scores
+def _cancel_check(event: threading.Event) -> CancelCheck:
+    """A check that ends the generation once `event` is set: the one hook into the token
+    loop that Llama.create_completion and create_chat_completion both take (a logits
+    processor that changes nothing; a slot's generation sampled in the core runs it before
+    handing over each token)."""
+    return CancelCheck(event, _GenerationCancelled)
 
 
 def _null_penalties_as_default(kwargs: Dict[str, Any]) -> None:
@@ -844,7 +839,7 @@ async def _stream_response(
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
-        # No _CancelGeneration processor: the pump checks its cancel flag between chunks, one
+        # No cancel check: the pump checks its cancel flag between chunks, one
         # token apart (a Python processor would also copy every logits row).
         _prepare_kwargs(llama, body, kwargs)
         result = await state.run_generation(lambda: getattr(llama, method)(**kwargs))
