@@ -626,6 +626,52 @@ def test_uninstall_restores_llama_cpp():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
+def test_penalties_round_as_libllama_does(ours):
+    """The core's penalties (applied to the window's tokens only, and inside the greedy
+    shortcut) do libllama's float operations one at a time, as its plain-SSE build does:
+    logit * or / repeat, then - (count * freq + present), each rounded to float32 (numpy
+    float32 here, which never fuses). Each row puts an unpenalized rival one float32 step
+    above or below a penalized token's expected value, so a result off by one step picks
+    the other token; the full chain (top_k) and the shortcut must both agree."""
+    from powerinfer_py._core import LogitBias, Sampler
+    from powerinfer_py._core.bindings import lib
+
+    class Rows:
+        def __init__(self, row):
+            self.row = row
+
+        def logits(self, i):
+            return self.row
+
+    n = ours.n_vocab()
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    for trial in range(40):
+        repeat, freq, present = f32(rng.uniform(0.5, 2.0)), f32(rng.uniform(0, 1)), f32(rng.uniform(0, 1))
+        history = [int(t) for t in rng.integers(0, 200, size=int(rng.integers(1, 40)))]
+        bias_token = int(rng.integers(0, 200))
+        row = (rng.standard_normal(n) * 2).astype(np.float32) - f32(20.0)  # all far below the contest
+        target = history[-1]
+        row[target] = f32(rng.uniform(-3, 3))
+        v = row[target] + (f32(1.5) if target == bias_token else f32(0))
+        v = v * repeat if v <= 0 else v / repeat
+        count = history[-64:].count(target)
+        expected = f32(v - f32(f32(f32(count) * freq) + present))
+        rival = 1000 + trial
+        above = bool(trial % 2)
+        row[rival] = np.nextafter(expected, f32(np.inf) if above else f32(-np.inf), dtype=np.float32)
+        for kind in ("greedy", "chain"):
+            # "chain": top-k 1 then a draw, so the candidates are filled and the penalty sampler runs.
+            s = Sampler(ours._model, seed=0, temp=0.8 if kind == "chain" else 0.0, top_k=1, top_p=1.0, min_p=0.0,
+                        typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, penalty_last_n=64,
+                        repeat_penalty=float(repeat), frequency_penalty=float(freq), presence_penalty=float(present),
+                        logits_processor=[LogitBias({bias_token: 1.5}, n)])
+            for t in history:
+                lib.powerinfer_sampler_accept(s.ptr, t)
+            got = s.sample(Rows(row), -1, np.zeros(0, dtype=np.intc))
+            assert got == (rival if above else target), (trial, kind, got, target, rival)
+
+
 def test_greedy_takes_the_first_of_equal_largest_logits(ours):
     """A greedy chain with nothing before it takes the core's shortcut (an argmax over the
     logits, no candidate array): the same rule as libllama's greedy sampler, the first

@@ -6,14 +6,37 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+
+// The repetition penalties of libllama's penalties sampler, with the same window, counts and
+// float operations, applied to the window's tokens only: libllama's apply looks every
+// candidate up in a hash map, 49k lookups per sampled token for SmolLM2 and 152k for Qwen
+// (0.5-1.5 ms, a third of a SmolLM2 step of 4 sequences, and the server's requests carry
+// llama-cpp-python's default repeat_penalty 1.1).
+struct pi_penalties {
+    int32_t            last_n;   // window (> 0)
+    float              repeat, freq, present;
+    int32_t            n_vocab;
+    powerinfer_token * ring;     // the window's tokens, oldest at head
+    int32_t            head, size;
+    int32_t *          count;    // [n_vocab] occurrences in the window
+    powerinfer_token * distinct; // the tokens with count > 0 (unordered)
+    int32_t            n_distinct;
+};
 
 struct powerinfer_sampler {
     struct llama_sampler * chain;
     llama_token_data *     cand;    // n_vocab candidates, reused between calls
     int32_t                n_vocab;
-    bool                   greedy_only;  // the chain is the greedy sampler alone, after the logit bias if any
+    bool                   greedy_only;  // the chain is the greedy sampler alone, after the logit bias and
+                                         // the penalties if any
     struct powerinfer_logit_bias * bias; // the logit bias, stably sorted by token (the greedy shortcut's copy)
     int32_t                n_bias;
+    struct pi_penalties *  pen;          // NULL: no penalties (owned by its sampler in the chain)
+    struct powerinfer_logit_bias * special; // the greedy shortcut's scratch: biased and penalized tokens
+    int32_t                special_cap;
+    powerinfer_token *     pen_sorted;   // its scratch for the penalized tokens, sorted
+    int32_t                pen_sorted_cap;
     struct powerinfer_sampler_params params;
 };
 
@@ -80,6 +103,117 @@ static int cmp_bias_token(const void * a, const void * b) {
     return (x->token > y->token) - (x->token < y->token);
 }
 
+// ---- penalties ----
+
+// llama's `logit <= 0 ? logit * repeat : logit / repeat`, then `logit -= float(count) * freq
+// + float(count > 0) * present` (count > 0 here), each operation rounded alone as its build
+// (plain SSE) rounds it: the volatile keeps the compiler from fusing them into an FMA.
+static float penalize(const struct pi_penalties * pen, float logit, int32_t count) {
+    logit = logit <= 0 ? logit * pen->repeat : logit / pen->repeat;
+    volatile float f = (float) count * pen->freq;
+    volatile float sub = f + pen->present;
+    return logit - sub;
+}
+
+static void penalties_accept(struct llama_sampler * smpl, llama_token token) {
+    struct pi_penalties * pen = smpl->ctx;
+    if (token < 0 || token >= pen->n_vocab) {
+        return;
+    }
+    if (pen->count[token]++ == 0) {
+        pen->distinct[pen->n_distinct++] = token;
+    }
+    if (pen->size >= pen->last_n) {  // the window is full: its oldest token leaves
+        const powerinfer_token old = pen->ring[pen->head];
+        if (--pen->count[old] == 0) {
+            for (int32_t i = 0; i < pen->n_distinct; ++i) {
+                if (pen->distinct[i] == old) {
+                    pen->distinct[i] = pen->distinct[--pen->n_distinct];
+                    break;
+                }
+            }
+        }
+        pen->ring[pen->head] = token;
+        pen->head = (pen->head + 1) % pen->last_n;
+    } else {
+        pen->ring[(pen->head + pen->size) % pen->last_n] = token;
+        pen->size += 1;
+    }
+}
+
+static void penalties_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p) {
+    struct pi_penalties * pen = smpl->ctx;
+    for (int32_t i = 0; i < pen->n_distinct; ++i) {
+        const powerinfer_token t = pen->distinct[i];
+        size_t j = (size_t) t;
+        if (j >= cur_p->size || cur_p->data[j].id != t) {  // not in token order: look for it
+            for (j = 0; j < cur_p->size && cur_p->data[j].id != t; ++j) {
+            }
+            if (j == cur_p->size) {
+                continue;
+            }
+        }
+        cur_p->data[j].logit = penalize(pen, cur_p->data[j].logit, pen->count[t]);
+    }
+    cur_p->sorted = false;
+}
+
+static void penalties_reset(struct llama_sampler * smpl) {
+    struct pi_penalties * pen = smpl->ctx;
+    for (int32_t i = 0; i < pen->n_distinct; ++i) {
+        pen->count[pen->distinct[i]] = 0;
+    }
+    pen->n_distinct = pen->head = pen->size = 0;
+}
+
+static void penalties_free(struct llama_sampler * smpl) {
+    struct pi_penalties * pen = smpl->ctx;
+    if (pen) {
+        free(pen->ring);
+        free(pen->count);
+        free(pen->distinct);
+        free(pen);
+    }
+}
+
+static const char * penalties_name(const struct llama_sampler * smpl) {
+    (void) smpl;
+    return "penalties";
+}
+
+static struct llama_sampler_i g_penalties_i = {
+    .name   = penalties_name,
+    .accept = penalties_accept,
+    .apply  = penalties_apply,
+    .reset  = penalties_reset,
+    .clone  = NULL,
+    .free   = penalties_free,
+};
+
+static struct pi_penalties * penalties_new(int32_t n_vocab, int32_t last_n, float repeat, float freq, float present) {
+    struct pi_penalties * pen = calloc(1, sizeof(*pen));
+    if (!pen) {
+        return NULL;
+    }
+    const int32_t n_distinct_max = last_n < n_vocab ? last_n : n_vocab;
+    pen->last_n   = last_n;
+    pen->repeat   = repeat;
+    pen->freq     = freq;
+    pen->present  = present;
+    pen->n_vocab  = n_vocab;
+    pen->ring     = malloc((size_t) last_n * sizeof(*pen->ring));
+    pen->count    = calloc((size_t) n_vocab, sizeof(*pen->count));
+    pen->distinct = malloc((size_t) n_distinct_max * sizeof(*pen->distinct));
+    if (!pen->ring || !pen->count || !pen->distinct) {
+        free(pen->ring);
+        free(pen->count);
+        free(pen->distinct);
+        free(pen);
+        return NULL;
+    }
+    return pen;
+}
+
 // Chain order follows llama-cpp-python: grammar, penalties, then greedy, or Mirostat,
 // or top-k -> typical -> top-p -> min-p -> temperature -> random draw.
 struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params p) {
@@ -141,12 +275,23 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
         llama_sampler_chain_add(s->chain, g);
     }
     const int32_t last_n = p.penalty_last_n == -1 ? model->hp.n_ctx_train : p.penalty_last_n;
-    if (last_n != 0 && (p.penalty_repeat != 1.0f || p.penalty_freq != 0.0f || p.penalty_present != 0.0f)) {
-        llama_sampler_chain_add(s->chain, llama_sampler_init_penalties(s->n_vocab, last_n, p.penalty_repeat,
-                                                                       p.penalty_freq, p.penalty_present));
+    if (last_n > 0 && (p.penalty_repeat != 1.0f || p.penalty_freq != 0.0f || p.penalty_present != 0.0f)) {
+        s->pen = penalties_new(s->n_vocab, last_n, p.penalty_repeat, p.penalty_freq, p.penalty_present);
+        struct llama_sampler * ps = s->pen ? llama_sampler_init(&g_penalties_i, s->pen) : NULL;
+        if (!ps) {
+            if (s->pen) {
+                struct llama_sampler tmp = { .iface = &g_penalties_i, .ctx = s->pen };
+                penalties_free(&tmp);
+            }
+            s->pen = NULL;
+            pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+            powerinfer_sampler_free(s);
+            return NULL;
+        }
+        llama_sampler_chain_add(s->chain, ps);  // the chain owns and frees it
     }
     if (p.temp <= 0.0f) {
-        s->greedy_only = llama_sampler_chain_n(s->chain) == (s->n_bias > 0 ? 1 : 0);
+        s->greedy_only = llama_sampler_chain_n(s->chain) == (s->n_bias > 0 ? 1 : 0) + (s->pen ? 1 : 0);
         llama_sampler_chain_add(s->chain, llama_sampler_init_greedy());
     } else if (p.mirostat == 1) {
         llama_sampler_chain_add(s->chain, llama_sampler_init_temp(p.temp));
@@ -175,20 +320,73 @@ void powerinfer_sampler_free(struct powerinfer_sampler * s) {
     }
     free(s->cand);
     free(s->bias);
+    free(s->special);
+    free(s->pen_sorted);
     free(s);
 }
 
-// The greedy sampler's own rule on the biased logits: scanning in token order, a token
-// replaces the best so far when its logit is larger (so the first of the largest wins, and
-// a NaN never does), without filling n_vocab candidates first: that was most of a greedy
-// step's sampling (150k for Qwen). The biased tokens' logits get their biases added in
-// turn, as the logit-bias sampler adds them.
-static int32_t greedy_pick(const struct powerinfer_sampler * s, const float * logits, int32_t n_vocab) {
+static int cmp_token_asc(const void * a, const void * b) {
+    const powerinfer_token x = *(const powerinfer_token *) a, y = *(const powerinfer_token *) b;
+    return (x > y) - (x < y);
+}
+
+// The greedy sampler's own rule on the biased and penalized logits: scanning in token order,
+// a token replaces the best so far when its logit is larger (so the first of the largest
+// wins, and a NaN never does), without filling n_vocab candidates first: that was most of a
+// greedy step's sampling (150k for Qwen). Only the biased and penalized tokens differ from
+// their logits: theirs get the biases added in turn, then the penalty, as the chain's
+// samplers apply them. Returns -1 when the scratch cannot be had (the caller runs the chain).
+static int32_t greedy_pick(struct powerinfer_sampler * s, const float * logits, int32_t n_vocab) {
+    const struct pi_penalties * pen = s->pen;
+    const int32_t n_pen = pen ? pen->n_distinct : 0;
+    if (n_pen > 512) {
+        return -1;  // a long window: filling the candidates costs less than sorting it each token
+    }
+    // The special tokens, ascending: the biased ones (sorted already) and the penalized ones.
+    const int32_t n_special_max = s->n_bias + n_pen;
+    if (n_special_max > s->special_cap) {
+        struct powerinfer_logit_bias * sp = realloc(s->special, (size_t) n_special_max * sizeof(*sp));
+        if (!sp) {
+            return -1;
+        }
+        s->special     = sp;
+        s->special_cap = n_special_max;
+    }
+    if (n_pen > s->pen_sorted_cap) {
+        powerinfer_token * ps = realloc(s->pen_sorted, (size_t) n_pen * sizeof(*ps));
+        if (!ps) {
+            return -1;
+        }
+        s->pen_sorted     = ps;
+        s->pen_sorted_cap = n_pen;
+    }
+    powerinfer_token * penalized = s->pen_sorted;
+    if (n_pen > 0) {
+        memcpy(penalized, pen->distinct, (size_t) n_pen * sizeof(*penalized));
+    }
+    qsort(penalized, (size_t) n_pen, sizeof(penalized[0]), cmp_token_asc);
+    // The special tokens' values, ascending by token, in s->special (token, value).
+    int32_t n_special = 0;
+    int32_t ib = 0, ip = 0;
+    while (ib < s->n_bias || ip < n_pen) {
+        const powerinfer_token tb = ib < s->n_bias ? s->bias[ib].token : n_vocab;
+        const powerinfer_token tp = ip < n_pen ? penalized[ip] : n_vocab;
+        const powerinfer_token t = tb < tp ? tb : tp;
+        float v = logits[t];
+        for (; ib < s->n_bias && s->bias[ib].token == t; ++ib) {
+            v += s->bias[ib].bias;
+        }
+        if (ip < n_pen && penalized[ip] == t) {
+            v = penalize(pen, v, pen->count[t]);
+            ++ip;
+        }
+        s->special[n_special++] = (struct powerinfer_logit_bias) { .token = t, .bias = v };
+    }
     int32_t best = 0;
     float   vbest = 0.0f;
     int32_t i = 0, k = 0;
     while (i < n_vocab) {
-        const int32_t end = k < s->n_bias ? s->bias[k].token : n_vocab;  // next biased token
+        const int32_t end = k < n_special ? s->special[k].token : n_vocab;  // next special token
         for (; i < end; ++i) {
             if (i == 0 || logits[i] > vbest) {
                 vbest = logits[i];
@@ -198,10 +396,7 @@ static int32_t greedy_pick(const struct powerinfer_sampler * s, const float * lo
         if (i >= n_vocab) {
             break;
         }
-        float v = logits[i];
-        for (; k < s->n_bias && s->bias[k].token == i; ++k) {
-            v += s->bias[k].bias;
-        }
+        const float v = s->special[k++].bias;
         if (i == 0 || v > vbest) {
             vbest = v;
             best  = i;
@@ -217,7 +412,10 @@ powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s,
         return -1;
     }
     if (s->greedy_only) {
-        return greedy_pick(s, logits, n_vocab);
+        const int32_t best = greedy_pick(s, logits, n_vocab);
+        if (best >= 0) {
+            return best;
+        }
     }
     for (int32_t i = 0; i < n_vocab; ++i) {
         s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };
