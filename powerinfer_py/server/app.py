@@ -109,8 +109,13 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
+# One encoder for every response: json.dumps(obj, default=...) builds a new JSONEncoder per
+# call (per streamed chunk). Same output as json.dumps.
+_ENCODER = json.JSONEncoder(default=_json_default)
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, default=_json_default)
+    return _ENCODER.encode(obj)
 
 
 def _json_response(content: Any, status_code: int = 200) -> Response:
