@@ -312,7 +312,8 @@ class ParallelLlama:
         try:
             return (yield from tokens)
         finally:
-            self._batcher.set_lockstep(slot.seq_id, False)
+            if not self._batcher.closed:
+                self._batcher.set_lockstep(slot.seq_id, False)
 
     def _run_ahead(self, slot: _Slot, tokens: List[int], sampler: Sampler, reset: bool,
                    n_predict: Optional[int], stop_tokens: List[int]):
@@ -377,7 +378,8 @@ class ParallelLlama:
                 # and the caller asks for more: its last token is decoded in a new run.
                 todo, n_predict = [last], None
         finally:
-            batcher.stop(seq, slot.n_tokens)
+            if not batcher.closed:  # the pool's close() ended every run
+                batcher.stop(seq, slot.n_tokens)
             slot._requires_eval = True
             if slot._sampler is sampler:
                 slot._sampler = None

@@ -349,6 +349,18 @@ def test_parallel_llama_streams_equal_their_solo_runs(smol_llama):
         assert pool.stats["steps"] - steps_before < 0.75 * generated
         assert pool.slots_busy == 0
 
+        # The same in lockstep (a logits processor keeps the sampling in Python): each step
+        # waits for the other generating slots, so the steps are batched too.
+        def ask_lockstep(prompt):
+            with pool.slot() as slot:
+                return slot.create_completion(prompt, max_tokens=24, temperature=0,
+                                              logits_processor=[lambda ids, scores: scores])["choices"][0]["text"]
+
+        steps_before, lockstep_before = pool.stats["steps"], pool.stats["runs_lockstep"]
+        assert list(ThreadPoolExecutor(4).map(ask_lockstep, PROMPTS)) == solo
+        assert pool.stats["runs_lockstep"] == lockstep_before + 4
+        assert pool.stats["steps"] - steps_before < 0.75 * generated
+
 
 def test_parallel_llama_reuses_a_cached_prefix(smol_llama):
     system = "You are a terse assistant. Answer in one word. " * 3
