@@ -626,6 +626,16 @@ def test_uninstall_restores_llama_cpp():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
+class _Rows:
+    """A single logits row in the place of a Context (Sampler.sample reads logits(row))."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def logits(self, i):
+        return self.row
+
+
 def test_penalties_round_as_libllama_does(ours):
     """The core's penalties (applied to the window's tokens only, and inside the greedy
     shortcut) do libllama's float operations one at a time, as its plain-SSE build does:
@@ -635,13 +645,6 @@ def test_penalties_round_as_libllama_does(ours):
     the other token; the full chain (top_k) and the shortcut must both agree."""
     from powerinfer_py._core import LogitBias, Sampler
     from powerinfer_py._core.bindings import lib
-
-    class Rows:
-        def __init__(self, row):
-            self.row = row
-
-        def logits(self, i):
-            return self.row
 
     n = ours.n_vocab()
     rng = np.random.default_rng(1)
@@ -668,32 +671,30 @@ def test_penalties_round_as_libllama_does(ours):
                         logits_processor=[LogitBias({bias_token: 1.5}, n)])
             for t in history:
                 lib.powerinfer_sampler_accept(s.ptr, t)
-            got = s.sample(Rows(row), -1, np.zeros(0, dtype=np.intc))
+            got = s.sample(_Rows(row), -1, np.zeros(0, dtype=np.intc))
             assert got == (rival if above else target), (trial, kind, got, target, rival)
 
 
 def test_greedy_takes_the_first_of_equal_largest_logits(ours):
-    """A greedy chain with nothing before it takes the core's shortcut (an argmax over the
-    logits, no candidate array): the same rule as libllama's greedy sampler, the first
-    of the largest logits, which the full chain (here with a neutral-valued but present
-    repeat penalty, so the shortcut is off) also gives."""
+    """A greedy chain with at most a logit bias and the penalties before it takes the core's
+    shortcut (an argmax over the logits, no candidate array): the same rule as libllama's
+    greedy sampler, the first of the largest logits, which the full chain also gives (run
+    here through a penalty window of more than 512 distinct tokens, where the shortcut
+    hands over to the chain)."""
     from powerinfer_py._core import Sampler
-
-    class Rows:
-        def __init__(self, row):
-            self.row = row
-
-        def logits(self, i):
-            return self.row
+    from powerinfer_py._core.bindings import lib
 
     n = ours.n_vocab()
     rng = np.random.default_rng(0)
     base = dict(seed=0, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, mirostat_mode=0,
-                mirostat_tau=5.0, mirostat_eta=0.1, penalty_last_n=64, frequency_penalty=0.0, presence_penalty=0.0)
+                mirostat_tau=5.0, mirostat_eta=0.1, frequency_penalty=0.0, presence_penalty=0.0)
     for trial in range(5):
         row = rng.standard_normal(n).astype(np.float32)
         top = sorted(rng.choice(n, size=3, replace=False))
         row[top] = row.max() + 1.0  # three equal maxima
-        for penalty in (1.0, 1.0000001):  # 1.0: greedy alone; else the penalty sampler first
-            s = Sampler(ours._model, repeat_penalty=penalty, **base)
-            assert s.sample(Rows(row), -1, np.zeros(0, dtype=np.intc)) == top[0], (trial, penalty)
+        low = [int(t) for t in np.argsort(row)[:600]]  # penalized tokens, far from the top
+        for penalty, window in ((1.0, 64), (1.0000001, 64), (1.0000001, 1000)):
+            s = Sampler(ours._model, repeat_penalty=penalty, penalty_last_n=window, **base)
+            for t in low[: 600 if window > 64 else 20]:
+                lib.powerinfer_sampler_accept(s.ptr, t)
+            assert s.sample(_Rows(row), -1, np.zeros(0, dtype=np.intc)) == top[0], (trial, penalty, window)

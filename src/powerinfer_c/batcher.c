@@ -593,6 +593,20 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     return rc;
 }
 
+// *buf holds at least n tokens (false: out of memory, *buf unchanged).
+static bool grow_tokens(powerinfer_token ** buf, int32_t * cap, int32_t n) {
+    if (*cap >= n) {
+        return true;
+    }
+    powerinfer_token * p = realloc(*buf, (size_t) n * sizeof(*p));
+    if (!p) {
+        return false;
+    }
+    *buf = p;
+    *cap = n;
+    return true;
+}
+
 int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
                                     int32_t n_tokens, int32_t pos, struct powerinfer_sampler * smpl,
                                     int32_t n_predict, int32_t pos_limit,
@@ -619,23 +633,9 @@ int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, 
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_generate: %s", b->quit ? "the batcher was closed"
                        : "the sequence is decoding or running ahead already (stop it first)");
     }
-    if (q->in_cap < n_tokens) {
-        powerinfer_token * in = realloc(q->in, (size_t) n_tokens * sizeof(*in));
-        if (!in) {
-            pthread_mutex_unlock(&b->mu);
-            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
-        }
-        q->in     = in;
-        q->in_cap = n_tokens;
-    }
-    if (q->stop_cap < n_stop_tokens) {
-        powerinfer_token * stop = realloc(q->stop, (size_t) n_stop_tokens * sizeof(*stop));
-        if (!stop) {
-            pthread_mutex_unlock(&b->mu);
-            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
-        }
-        q->stop     = stop;
-        q->stop_cap = n_stop_tokens;
+    if (!grow_tokens(&q->in, &q->in_cap, n_tokens) || !grow_tokens(&q->stop, &q->stop_cap, n_stop_tokens)) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
     }
     if (n_stop_tokens > 0) {
         memcpy(q->stop, stop_tokens, (size_t) n_stop_tokens * sizeof(*stop_tokens));
