@@ -847,11 +847,17 @@ async def _stream_response(
         # No cancel check: the pump checks its cancel flag between chunks, one
         # token apart (a Python processor would also copy every logits row).
         _prepare_kwargs(llama, body, kwargs)
-        result = await state.run_generation(lambda: getattr(llama, method)(**kwargs))
-        if isinstance(result, dict):
-            raise RuntimeError(f"Llama.{method}(stream=True) returned a complete response, not chunks")
-        iterator = iter(result)
-        first = await state.run_generation(lambda: next(iterator, _END))
+
+        def start() -> Tuple[Iterator[Any], Any]:
+            # The generator and its first chunk in one hop to the worker thread. A generator
+            # that raises here is finished: nothing is left to close.
+            result = getattr(llama, method)(**kwargs)
+            if isinstance(result, dict):
+                raise RuntimeError(f"Llama.{method}(stream=True) returned a complete response, not chunks")
+            chunks = iter(result)
+            return chunks, next(chunks, _END)
+
+        iterator, first = await state.run_generation(start)
     except BaseException as exc:
         close()
         if isinstance(exc, Exception):

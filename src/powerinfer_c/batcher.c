@@ -131,6 +131,15 @@ static bool has_work(const struct powerinfer_batcher * b) {
     return false;
 }
 
+static bool any_run_ready(const struct powerinfer_batcher * b) {
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        if (run_ready(b, &b->seqs[s])) {
+            return true;
+        }
+    }
+    return false;
+}
+
 static int32_t lockstep_missing(const struct powerinfer_batcher * b) {
     int32_t n = 0;
     for (int32_t s = 0; s < b->n_seq; ++s) {
@@ -347,8 +356,10 @@ static void * run(void * arg) {
         if (b->quit) {
             break;
         }
-        // Let the lockstep sequences ask for their next decode, for one step's time at most.
-        if (lockstep_missing(b) > 0) {
+        // Let the lockstep sequences ask for their next decode, for one step's time at most;
+        // not while sequences running ahead are ready (they would wait for Python: a lockstep
+        // request that comes late joins the next step).
+        if (lockstep_missing(b) > 0 && !any_run_ready(b)) {
             double wait_ms = b->step_ms < b->params.max_gather_ms ? b->step_ms : b->params.max_gather_ms;
             struct timespec until;
             deadline_after(&until, wait_ms);

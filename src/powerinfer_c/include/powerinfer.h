@@ -338,7 +338,8 @@ POWERINFER_API int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, in
 // the sequence keeps its first n_keep positions (n_keep < 0: all it has).
 POWERINFER_API int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep);
 // A lockstep sequence decodes one step after another through powerinfer_batcher_decode: a
-// step waits for each of them to ask (max_gather_ms at most) before it starts.
+// step waits for each of them to ask (max_gather_ms at most) before it starts, unless
+// sequences running ahead are ready to step.
 POWERINFER_API int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t seq, bool on);
 // Queue an edit of a sequence's cells, applied in the order queued before the next step's
 // decodes (or before powerinfer_batcher_lock returns), so the caller never waits for a step:
