@@ -174,13 +174,13 @@ class _Slot(Llama):
             raise ValueError("generate needs at least one prompt token")
         if arguments["reset"]:
             self._pool._adopt_prefix(self, tokens)
+        sampler = generation.init_sampler(self, **generation.sampler_args(arguments))
         stop_tokens = generation.core_stop_tokens(arguments["stopping_criteria"])
-        if stop_tokens is not None and not wants_rows:
-            sampler = generation.init_sampler(self, **generation.sampler_args(arguments))
-            if sampler.logits_processor is None:  # the core samples it alone
-                return self._pool._run_ahead(self, tokens, sampler, arguments["reset"], n_predict, stop_tokens)
-            sampler.close()
-        return self._pool._lockstep(self, super().generate(tokens, *args, **kwargs))
+        if stop_tokens is not None and not wants_rows and sampler.logits_processor is None:
+            # The core samples it alone.
+            return self._pool._run_ahead(self, tokens, sampler, arguments["reset"], n_predict, stop_tokens)
+        return self._pool._lockstep(self, generation.start(self, tokens, sampler, arguments["reset"],
+                                                           arguments["stopping_criteria"]))
 
     def close(self) -> None:  # the pool owns the model and the context
         self._sampler = None
@@ -348,7 +348,6 @@ class ParallelLlama:
                     slot.input_ids[pos : pos + len(todo)] = todo
                     slot.n_tokens = pos + len(todo)
                     return
-                slot._requires_eval = True  # the last logits are the core's, not in the slot
                 batcher.generate(seq, todo, pos, sampler, n_predict or 0, slot._n_ctx, stop_tokens)
                 slot.input_ids[pos : pos + len(todo)] = todo
                 slot.n_tokens = pos + len(todo)
@@ -380,7 +379,7 @@ class ParallelLlama:
         finally:
             if not batcher.closed:  # the pool's close() ended every run
                 batcher.stop(seq, slot.n_tokens)
-            slot._requires_eval = True
+            slot._requires_eval = True  # the last logits were the core's, never the slot's
             if slot._sampler is sampler:
                 slot._sampler = None
 

@@ -89,8 +89,9 @@ class Batcher(Handle):
             raise core_error(f"sequence {seq} could not be stopped", rc)
 
     def set_lockstep(self, seq: int, on: bool) -> None:
-        """A lockstep sequence decodes step after step through decode(): each step waits for
-        its next request (the last step's duration, max_gather_ms at most)."""
+        """A lockstep sequence decodes step after step through decode(): a step waits for its
+        next request (the last step's duration, max_gather_ms at most) unless sequences
+        running ahead are ready."""
         rc = lib.powerinfer_batcher_set_lockstep(self.ptr, seq, bool(on))
         if rc != OK:
             raise core_error(f"set_lockstep({seq})", rc)

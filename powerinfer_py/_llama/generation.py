@@ -128,7 +128,11 @@ def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, 
     tokens = [int(t) for t in tokens]
     if not tokens and llama.n_tokens == 0:
         raise ValueError("generate needs at least one prompt token")
-    sampler = init_sampler(llama, **sampler_params)
+    return start(llama, tokens, init_sampler(llama, **sampler_params), reset, stopping_criteria)
+
+
+def start(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria) -> Iterator[int]:
+    """The generation loop over `tokens` with `sampler`, which becomes llama's while it runs."""
     llama._sampler = sampler
     return _generate(llama, tokens, sampler, reset, stopping_criteria)
 

@@ -471,7 +471,10 @@ def _prepare_kwargs(
 
         processors.append(MinTokensLogitsProcessor(body.min_tokens, llama.token_eos()))
     if cancelled is not None:
-        processors.append(_cancel_check(cancelled))
+        # Ends the generation at its next token once set: the one hook into the token loop
+        # that create_completion and create_chat_completion both take (a slot's generation
+        # sampled in the core runs it before handing over each token).
+        processors.append(CancelCheck(cancelled, _GenerationCancelled))
     if processors:
         from .. import LogitsProcessorList
 
@@ -516,14 +519,6 @@ def _json_schema_grammar(body: CreateChatCompletionRequest) -> Any:
 
 class _GenerationCancelled(Exception):
     """Raised inside the model's sampling loop to stop a generation nobody waits for."""
-
-
-def _cancel_check(event: threading.Event) -> CancelCheck:
-    """A check that ends the generation once `event` is set: the one hook into the token
-    loop that Llama.create_completion and create_chat_completion both take (a logits
-    processor that changes nothing; a slot's generation sampled in the core runs it before
-    handing over each token)."""
-    return CancelCheck(event, _GenerationCancelled)
 
 
 def _null_penalties_as_default(kwargs: Dict[str, Any]) -> None:
@@ -684,10 +679,6 @@ class _StreamPump:
         with self._cond:
             self._cond.notify_all()
         self._wake.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
     async def stop(self) -> None:
         """Cancel and wait until the pump has closed the generator."""

@@ -34,7 +34,6 @@ struct pi_bseq {
     int32_t                  req_n, req_pos;
     bool                     req_all;      // every token's logits
     float *                  req_out;
-    int32_t                  req_rows_max;
     int32_t                  req_status;   // rows copied, or a negative status
     bool                     lockstep;
 
@@ -587,7 +586,6 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     q->req_pos      = pos;
     q->req_all      = logits_all;
     q->req_out      = logits;
-    q->req_rows_max = n_rows_max;
     pthread_cond_signal(&b->work_cv);
     b->n_inside += 1;
     while (!q->req_done) {

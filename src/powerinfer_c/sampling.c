@@ -166,14 +166,17 @@ static void penalties_reset(struct llama_sampler * smpl) {
     pen->n_distinct = pen->head = pen->size = 0;
 }
 
-static void penalties_free(struct llama_sampler * smpl) {
-    struct pi_penalties * pen = smpl->ctx;
+static void pi_penalties_free(struct pi_penalties * pen) {
     if (pen) {
         free(pen->ring);
         free(pen->count);
         free(pen->distinct);
         free(pen);
     }
+}
+
+static void penalties_free(struct llama_sampler * smpl) {
+    pi_penalties_free(smpl->ctx);
 }
 
 static const char * penalties_name(const struct llama_sampler * smpl) {
@@ -205,10 +208,7 @@ static struct pi_penalties * penalties_new(int32_t n_vocab, int32_t last_n, floa
     pen->count    = calloc((size_t) n_vocab, sizeof(*pen->count));
     pen->distinct = malloc((size_t) n_distinct_max * sizeof(*pen->distinct));
     if (!pen->ring || !pen->count || !pen->distinct) {
-        free(pen->ring);
-        free(pen->count);
-        free(pen->distinct);
-        free(pen);
+        pi_penalties_free(pen);
         return NULL;
     }
     return pen;
@@ -279,10 +279,7 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
         s->pen = penalties_new(s->n_vocab, last_n, p.penalty_repeat, p.penalty_freq, p.penalty_present);
         struct llama_sampler * ps = s->pen ? llama_sampler_init(&g_penalties_i, s->pen) : NULL;
         if (!ps) {
-            if (s->pen) {
-                struct llama_sampler tmp = { .iface = &g_penalties_i, .ctx = s->pen };
-                penalties_free(&tmp);
-            }
+            pi_penalties_free(s->pen);
             s->pen = NULL;
             pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
             powerinfer_sampler_free(s);
