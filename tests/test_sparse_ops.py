@@ -182,6 +182,22 @@ def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
 
 
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q8_0", "q6_K"])
+def test_packed_columns_do_not_depend_on_the_batch(tmp_path, wtype):
+    """Each token of a batch gets, bit for bit, what it gets alone: the packed kernels run
+    tiles of 1 to 4 tokens, each compiled apart (ParallelLlama's streams equal their solo
+    runs only if a column's result never depends on its batch or its place in a tile)."""
+    w, x, h, active = _problem(seed=41, n_tok=9)
+    _run(tmp_path, wtype, 2, w, x, h, active)
+    batched = (_run.exact.copy(), _run.packed.copy())
+    for t in range(x.shape[0]):
+        for n in (1, 2, 3):  # token t alone, and first of a tile of 2 and 3
+            rows = x[t : t + n]
+            _run(tmp_path, wtype, 2, w, rows, h[t : t + n], active)
+            assert np.array_equal(_run.exact[0], batched[0][t]), (wtype, t, n)
+            assert np.array_equal(_run.packed[0], batched[1][t]), (wtype, t, n)
+
+
 @pytest.mark.parametrize("wtype", ["q4_0", "f16"])
 def test_thread_counts_agree_bitwise(tmp_path, wtype):
     w, x, h, active = _problem(seed=7)

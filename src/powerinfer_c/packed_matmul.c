@@ -257,14 +257,20 @@ static void quantize_op(struct ggml_tensor * dst, int ith, int nth, void * userd
 #ifdef PI_PACK_VNNI
 // One group of 16 rows against nt (<= TILE_T) tokens: acc[j] lane r = row r . token j.
 // Q41 and Q4F add each row's minimum times d * sum(q) of the token's block after the scaled
-// dot product; Q6F sums its two 16-weight halves apart, each with its own scale. Called with
-// a constant pt (group_tile_any), so each packing compiles to its own loop.
-static inline void group_tile(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks,
-                              const struct xq_block * const * xb, int nt, __m512 * acc) {
+// dot product; Q6F sums its two 16-weight halves apart, each with its own scale. Inlined
+// with a constant pt and nt (group_tile_any), so each packing and token count compiles to
+// its own loop: the token loop unrolls and the accumulators stay in registers (with a
+// variable nt they lived on the stack, a store and a load in every block's chain).
+// A token's integer sum runs as two chains of four vpdpbusd (halving the latency the
+// block waits for); integer sums are exact in any order, so the result is the same.
+static inline __attribute__((always_inline)) void group_tile(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks,
+                                                             const struct xq_block * const * xb, const int nt,
+                                                             __m512 * out) {
     const size_t gbb = group_block_bytes(pt), head = group_head_bytes(pt);
     const bool q4 = nibbles(pt), with_min = pt == PI_PACK_Q41 || pt == PI_PACK_Q4F, f32 = pt == PI_PACK_Q4F || pt == PI_PACK_Q6F;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < TILE_T; ++j) acc[j] = _mm512_setzero_ps();
+    __m512 acc[TILE_T];
+    for (int j = 0; j < nt; ++j) acc[j] = _mm512_setzero_ps();
     const uint8_t * blk = wg;
     for (int64_t b = 0; b < n_blocks; ++b, blk += gbb) {
         const __m512 dw = f32 ? _mm512_loadu_ps(blk) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) blk));
@@ -293,25 +299,37 @@ static inline void group_tile(enum pi_pack_type pt, const uint8_t * wg, int64_t 
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(mw, dx), acc[j]);
                 continue;
             }
-            __m512i p = _mm512_set1_epi32(x->corr);
-            for (int c = 0; c < 8; ++c) p = _mm512_dpbusd_epi32(p, wq[c], _mm512_set1_epi32(x4[c]));
+            __m512i p0 = _mm512_set1_epi32(x->corr), p1 = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) p0 = _mm512_dpbusd_epi32(p0, wq[c], _mm512_set1_epi32(x4[c]));
+            for (int c = 4; c < 8; ++c) p1 = _mm512_dpbusd_epi32(p1, wq[c], _mm512_set1_epi32(x4[c]));
+            const __m512i p = _mm512_add_epi32(p0, p1);
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, dx), acc[j]);
             if (with_min) acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->ds), acc[j]);
         }
     }
+    for (int j = 0; j < nt; ++j) out[j] = acc[j];
 }
+
+#define PI_TILE_NT(PT)                                                          \
+    switch (nt) {                                                               \
+        case 1:  group_tile(PT, wg, n_blocks, xb, 1, acc); break;               \
+        case 2:  group_tile(PT, wg, n_blocks, xb, 2, acc); break;               \
+        case 3:  group_tile(PT, wg, n_blocks, xb, 3, acc); break;               \
+        default: group_tile(PT, wg, n_blocks, xb, TILE_T, acc); break;          \
+    }
 
 static void group_tile_any(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks, const struct xq_block * const * xb,
                            int nt, __m512 * acc) {
     switch (pt) {
-        case PI_PACK_Q4:  group_tile(PI_PACK_Q4, wg, n_blocks, xb, nt, acc); break;
-        case PI_PACK_Q41: group_tile(PI_PACK_Q41, wg, n_blocks, xb, nt, acc); break;
-        case PI_PACK_Q4F: group_tile(PI_PACK_Q4F, wg, n_blocks, xb, nt, acc); break;
-        case PI_PACK_Q6F: group_tile(PI_PACK_Q6F, wg, n_blocks, xb, nt, acc); break;
-        case PI_PACK_Q5:  group_tile(PI_PACK_Q5, wg, n_blocks, xb, nt, acc); break;
-        default:          group_tile(PI_PACK_Q8, wg, n_blocks, xb, nt, acc); break;
+        case PI_PACK_Q4:  PI_TILE_NT(PI_PACK_Q4); break;
+        case PI_PACK_Q41: PI_TILE_NT(PI_PACK_Q41); break;
+        case PI_PACK_Q4F: PI_TILE_NT(PI_PACK_Q4F); break;
+        case PI_PACK_Q6F: PI_TILE_NT(PI_PACK_Q6F); break;
+        case PI_PACK_Q5:  PI_TILE_NT(PI_PACK_Q5); break;
+        default:          PI_TILE_NT(PI_PACK_Q8); break;
     }
 }
+#undef PI_TILE_NT
 #endif
 
 // The weight of row r, element k of a group's block, as the unsigned byte the kernel uses.
