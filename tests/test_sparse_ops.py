@@ -182,7 +182,7 @@ def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
 
 
-@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q8_0", "q6_K"])
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K"])
 def test_packed_columns_do_not_depend_on_the_batch(tmp_path, wtype):
     """Each token of a batch gets, bit for bit, what it gets alone: the packed kernels run
     tiles of 1 to 4 tokens, each compiled apart (ParallelLlama's streams equal their solo
