@@ -192,8 +192,9 @@ def test_packed_columns_do_not_depend_on_the_batch(tmp_path, wtype):
     batched = (_run.exact.copy(), _run.packed.copy())
     for t in range(x.shape[0]):
         for n in (1, 2, 3):  # token t alone, and first of a tile of 2 and 3
-            rows = x[t : t + n]
-            _run(tmp_path, wtype, 2, w, rows, h[t : t + n], active)
+            if t + n > x.shape[0]:
+                break
+            _run(tmp_path, wtype, 2, w, x[t : t + n], h[t : t + n], active)
             assert np.array_equal(_run.exact[0], batched[0][t]), (wtype, t, n)
             assert np.array_equal(_run.packed[0], batched[1][t]), (wtype, t, n)
 
