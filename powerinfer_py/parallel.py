@@ -30,6 +30,10 @@ Design (docs/parallel.md):
   it the dense FFN would run); longer prompts and a sequence's first token are computed
   alone, so each request takes the FFN path it takes alone (up to summation order, see
   docs/parallel.md).
+- A new request that finds a step just begun (less than `restart_within` of a step's time,
+  default 0.5) interrupts it, and the step is computed again with the request's prompt in
+  it: its first token then waits for one step, not nearly two. A step is interrupted once
+  at most; dense models only (restart_within=0 turns it off; docs/parallel.md).
 - Prompt cache: a slot keeps its last sequence in the cache; a new generation on a slot
   first takes over the longest prefix of its prompt held by any idle slot (cells are
   shared, not copied), then decodes only the rest.
@@ -192,13 +196,16 @@ class _Slot(Llama):
 class ParallelLlama:
     """`n_parallel` slots over one model: see the module docstring."""
 
-    def __init__(self, llama: Llama, n_parallel: int = 4, *, n_ctx: Optional[int] = None):
+    def __init__(self, llama: Llama, n_parallel: int = 4, *, n_ctx: Optional[int] = None,
+                 restart_within: float = 0.5):
         if not isinstance(llama, Llama) or getattr(llama, "_fallback", None) is not None:
             raise ValueError("ParallelLlama needs a powerinfer_py.Llama running on the powerinfer engine")
         if llama._model is None or llama._ctx is None:
             raise ValueError("ParallelLlama needs a Llama with a model and a context (not vocab_only, not closed)")
         if not isinstance(n_parallel, int) or not 1 <= n_parallel <= 64:
             raise ValueError(f"n_parallel must be an int in [1, 64], not {n_parallel!r}")
+        if not isinstance(restart_within, (int, float)) or not 0.0 <= restart_within <= 1.0:
+            raise ValueError(f"restart_within must be a number in [0, 1], not {restart_within!r}")
         n_ctx_slot = llama.n_ctx() if not n_ctx else int(n_ctx)
         if n_ctx_slot <= 0:
             raise ValueError(f"n_ctx must be > 0, not {n_ctx!r}")
@@ -230,7 +237,8 @@ class ParallelLlama:
         # A Llama that computed on this thread keeps an OpenMP pool here; the batcher's own
         # would make two (see the module docstring).
         release_threads()
-        self._batcher = Batcher(self._ctx, lookahead=_LOOKAHEAD, max_gather_ms=_MAX_GATHER_MS)
+        self._batcher = Batcher(self._ctx, lookahead=_LOOKAHEAD, max_gather_ms=_MAX_GATHER_MS,
+                                restart_within=restart_within)
 
     # ---- slots -------------------------------------------------------------------------
 
@@ -396,6 +404,8 @@ class ParallelLlama:
             "tokens_generated": st["n_gen_tokens"],  # one-token requests (generation steps)
             "batch_tokens_max": st["max_batch_tokens"],
             "busy_seconds": st["busy_ms"] / 1000.0,  # time spent computing
+            "steps_restarted": st["n_restarts"],  # steps interrupted for a new request (restart_within)
+            "restart_seconds": st["restart_ms"] / 1000.0,  # what those steps had computed, thrown away
             **self._counts,
         }
 

@@ -572,6 +572,55 @@ def test_draft_tokens_sent_into_a_run_ahead(smol_llama):
         assert got == free[:7]
 
 
+def _greedy_sampler(llama):
+    from powerinfer_py._core import Sampler
+
+    return Sampler(llama._model, seed=0, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, mirostat_mode=0,
+                   mirostat_tau=5.0, mirostat_eta=0.1, penalty_last_n=0, repeat_penalty=1.0, frequency_penalty=0.0,
+                   presence_penalty=0.0)
+
+
+def _prompts_during_a_run(llama, restart_within, n_prompts=12, n_run=120):
+    """Sequence 0 generates n_run greedy tokens ahead in the batcher; meanwhile sequence 1
+    decodes prompts one after another (each from position 0). The run's tokens, each
+    prompt's last logits row, and the batcher's restart count."""
+    b_tokens = [llama.tokenize(p.encode()) for p in PROMPTS]
+    with ParallelLlama(llama, n_parallel=2, restart_within=restart_within) as pool:
+        b, out = pool._batcher, np.empty((1, pool.n_vocab), dtype=np.float32)
+        sampler = _greedy_sampler(llama)
+        b.generate(0, llama.tokenize(b"Count: 1, 2, 3,"), 0, sampler, n_run, 512)
+        run, rows = list(b.next(0)), []
+        for i in range(n_prompts):
+            b.decode(1, b_tokens[i % len(b_tokens)], 0, False, out)
+            rows.append(out.copy())
+            run += b.next(0) if len(run) < n_run else []
+        while len(run) < n_run and (got := b.next(0)):
+            run += got
+        b.stop(0)
+        return run, rows, pool.stats["steps_restarted"], pool.stats["restart_seconds"]
+
+
+def test_a_new_request_restarts_a_step_just_begun(smol_llama):
+    """A prompt arriving while a step has just begun interrupts it, and the step is computed
+    again with the prompt in it: the interrupted step leaves nothing behind (its cells are
+    free, nothing was sampled), so the run and every prompt's logits equal those computed
+    without restarts, bit for bit. With restart_within=0 no step is interrupted."""
+    with pytest.raises(ValueError, match="restart_within"):
+        ParallelLlama(smol_llama, n_parallel=2, restart_within=1.5)
+    run0, rows0, n0, _ = _prompts_during_a_run(smol_llama, 0.0)
+    assert n0 == 0
+    # restart_within=1: a prompt that comes within an average step's time of a step's start
+    # (most of them: the run never pauses, so one is always under way).
+    run1, rows1, n1, wasted = _prompts_during_a_run(smol_llama, 1.0)
+    assert n1 >= 1 and wasted > 0
+    assert run1 == run0
+    for a, b in zip(rows1, rows0):
+        np.testing.assert_array_equal(a, b)
+    with ParallelLlama(smol_llama, n_parallel=1) as pool, pool.slot() as slot:  # the run alone
+        alone = [t for t, _ in zip(slot.generate(slot.tokenize(b"Count: 1, 2, 3,"), temp=0.0), range(len(run0)))]
+    assert run0 == alone
+
+
 # ---- the server ------------------------------------------------------------------------------
 
 

@@ -26,12 +26,14 @@ class Batcher(Handle):
 
     _kind = "batcher"
 
-    def __init__(self, ctx: Context, *, lookahead: int = 16, max_gather_ms: float = 20.0):
+    def __init__(self, ctx: Context, *, lookahead: int = 16, max_gather_ms: float = 20.0,
+                 restart_within: float = 0.5):
         self.ctx = ctx  # the batcher computes on it: keep it alive
         self.n_vocab = ctx.n_vocab
         params = lib.powerinfer_batcher_default_params()
         params.lookahead = int(lookahead)
         params.max_gather_ms = float(max_gather_ms)
+        params.restart_within = float(restart_within)
         ptr = lib.powerinfer_batcher_new(ctx.ptr, params)
         if ptr == ffi.NULL:
             raise core_error("could not start the batcher")

@@ -1041,6 +1041,9 @@ def _metrics_text(state: ServerState) -> str:
         add("prompt_tokens_cached_total", "counter", "Prompt tokens taken from the prompt cache", st["prompt_tokens_reused"])
         add("decode_steps_total", "counter", "Batches computed", st["steps"])
         add("busy_seconds_total", "counter", "Seconds spent computing batches", st["busy_seconds"])
+        add("decode_steps_restarted_total", "counter", "Batches interrupted to take in a new request, then computed again",
+            st["steps_restarted"])
+        add("restart_seconds_total", "counter", "Seconds of interrupted batches, thrown away", st["restart_seconds"])
         add("tokens_per_second", "gauge", "Tokens computed per busy second, all slots together",
             (st["tokens_generated"] + st["tokens_prompt"]) / st["busy_seconds"] if st["busy_seconds"] else 0.0)
         add("kv_cells_used", "gauge", "KV cache cells in use", pool.kv_cells_used())

@@ -13,10 +13,21 @@
 // ctx_mu before it lets go of mu after choosing a step's work, so a sequence stopped in
 // between (powerinfer_batcher_stop takes ctx_mu after marking the run ended) is trimmed only
 // after that step: nothing the step computes for it stays in the cache.
+//
+// Restarts: a request arriving just after a step began would wait for the whole step, then
+// for the next one with its prompt in it: nearly two steps before its first token. In a busy
+// server that is the usual case (a client sends its next request as soon as its last token
+// came, when the step after that token has just begun). So a new request that finds the
+// step under way for less than `restart_within` of a step's time interrupts it (ggml's abort
+// callback, between two graph nodes; the decode frees the step's cells) and the step is
+// computed again with the request in it. A step is interrupted once at most, so arrivals
+// cannot starve the sequences already running; what it had computed is lost (n_restarts,
+// restart_ms). Dense models only: a sparse model's prompt is computed in a group of its own.
 #include "powerinfer-impl.h"
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +105,12 @@ struct powerinfer_batcher {
     struct pi_bedit * edits;   // queued, applied in order under ctx_mu before the next step's decodes
     int32_t          n_edits, edits_cap;
     double           step_ms;  // moving average of a step's compute time
+    // The group under way (under mu), for restarts; abort is read by ggml's abort callback.
+    bool             computing;
+    bool             restartable;  // a new request may still interrupt it
+    double           restart_until; // until when (pi_time_ms)
+    bool             no_restart;   // the step was interrupted once already
+    atomic_bool      abort;
     struct powerinfer_batcher_stats stats;
 
     // A step's batch, reused: items, then tokens, sequence ids and logits flags.
@@ -108,6 +125,7 @@ struct powerinfer_batcher_params powerinfer_batcher_default_params(void) {
     struct powerinfer_batcher_params p = {
         .lookahead     = 16,
         .max_gather_ms = 20.0f,
+        .restart_within = 0.5f,
     };
     return p;
 }
@@ -221,7 +239,9 @@ static int32_t collect(struct powerinfer_batcher * b) {
 
 // Items [i0, i1) as one powerinfer_decode_batch, under ctx_mu; then the requests' rows are
 // copied out and the runs sampled.
-static void compute_group(struct powerinfer_batcher * b, struct pi_bitem * items, int32_t n_items) {
+// Returns POWERINFER_ERR_ABORTED when a restart interrupted it: nothing is left of it (the
+// cells are free, no row copied, nothing sampled), and the items go into the next step.
+static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * items, int32_t n_items) {
     struct powerinfer_context * ctx = b->ctx;
     int32_t n_tok = 0;
     for (int32_t i = 0; i < n_items; ++i) {
@@ -257,6 +277,11 @@ static void compute_group(struct powerinfer_batcher * b, struct pi_bitem * items
                                           .logits = b->b_logits };
         rc = powerinfer_decode_batch(ctx, batch);
         const double dt = pi_time_ms() - t0;
+        if (rc == POWERINFER_ERR_ABORTED) {
+            b->stats.n_restarts += 1;
+            b->stats.restart_ms += dt;
+            return rc;
+        }
         b->step_ms = b->step_ms == 0.0 ? dt : 0.8 * b->step_ms + 0.2 * dt;
         b->stats.n_steps += 1;
         b->stats.busy_ms += dt;
@@ -290,6 +315,21 @@ static void compute_group(struct powerinfer_batcher * b, struct pi_bitem * items
             const float * src = powerinfer_get_logits_ith(ctx, it->row);
             memcpy(q->req_out, src, (size_t) it->n_rows * (size_t) b->n_vocab * sizeof(float));
         }
+    }
+    return POWERINFER_OK;
+}
+
+static bool abort_requested(void * data) {
+    struct powerinfer_batcher * b = data;
+    return atomic_load_explicit(&b->abort, memory_order_relaxed);
+}
+
+// A new request has come (the caller holds mu): interrupt the group under way if it began
+// recently enough (see the file's header).
+static void maybe_restart(struct powerinfer_batcher * b) {
+    if (b->computing && b->restartable && pi_time_ms() < b->restart_until) {
+        b->restartable = false;
+        atomic_store_explicit(&b->abort, true, memory_order_relaxed);
     }
 }
 
@@ -387,10 +427,11 @@ static void * run(void * arg) {
         // Take the context before letting go of mu: see the file's header.
         pthread_mutex_lock(&b->ctx_mu);
         apply_edits(b);
-        pthread_mutex_unlock(&b->mu);
         // Groups: the whole step for a dense model; with a sparse model at most
         // sparse_max_batch tokens each, and a longer request or a sequence's first token alone.
+        // mu is held between groups, let go while one computes.
         int32_t i = 0;
+        bool interrupted = false;
         while (i < n_items) {
             int32_t j = i + 1, n_tok = b->items[i].n;
             const bool alone = !b->dense && (b->items[i].n > b->sparse_max_batch || b->items[i].pos == 0);
@@ -402,14 +443,23 @@ static void * run(void * arg) {
                 n_tok += it->n;
                 ++j;
             }
-            compute_group(b, b->items + i, j - i);
-            pthread_mutex_lock(&b->mu);
-            publish(b, b->items + i, j - i);
+            b->computing   = true;
+            b->restartable = b->dense && !b->no_restart && b->params.restart_within > 0.0f && b->step_ms > 0.0;
+            b->restart_until = pi_time_ms() + b->params.restart_within * b->step_ms;
+            atomic_store_explicit(&b->abort, false, memory_order_relaxed);
             pthread_mutex_unlock(&b->mu);
+            const int32_t rc = compute_group(b, b->items + i, j - i);
+            pthread_mutex_lock(&b->mu);
+            b->computing = false;
+            if (rc == POWERINFER_ERR_ABORTED) {
+                interrupted = true;  // its items (and any after) are collected again
+                break;
+            }
+            publish(b, b->items + i, j - i);
             i = j;
         }
+        b->no_restart = interrupted;
         pthread_mutex_unlock(&b->ctx_mu);
-        pthread_mutex_lock(&b->mu);
     }
     // Closing: nothing more will be computed.
     for (int32_t s = 0; s < b->n_seq; ++s) {
@@ -443,6 +493,10 @@ struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * c
     }
     if (!(params.max_gather_ms >= 0.0f && params.max_gather_ms <= 10000.0f)) {
         pi_fail(POWERINFER_ERR_INVALID_ARG, "max_gather_ms = %g must be in [0, 10000]", params.max_gather_ms);
+        return NULL;
+    }
+    if (!(params.restart_within >= 0.0f && params.restart_within <= 1.0f)) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "restart_within = %g must be in [0, 1]", params.restart_within);
         return NULL;
     }
     struct powerinfer_batcher * b = calloc(1, sizeof(*b));
@@ -486,6 +540,7 @@ struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * c
         return NULL;
     }
     b->started = true;
+    pi_context_set_abort(ctx, abort_requested, b);
     return b;
 }
 
@@ -500,6 +555,7 @@ void powerinfer_batcher_free(struct powerinfer_batcher * b) {
     if (b->started) {
         pthread_join(b->thread, NULL);
     }
+    pi_context_set_abort(b->ctx, NULL, NULL);
     // Callers still inside next()/decode() have been woken with an error: let them leave.
     pthread_mutex_lock(&b->mu);
     for (int32_t s = 0; s < b->n_seq; ++s) {
@@ -586,6 +642,9 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     q->req_pos      = pos;
     q->req_all      = logits_all;
     q->req_out      = logits;
+    if (n_tokens > 1) {
+        maybe_restart(b);
+    }
     pthread_cond_signal(&b->work_cv);
     b->n_inside += 1;
     while (!q->req_done) {
@@ -660,6 +719,7 @@ int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, 
     q->n_out      = 0;
     q->end_status = POWERINFER_OK;
     q->running    = true;
+    maybe_restart(b);
     pthread_cond_signal(&b->work_cv);
     pthread_mutex_unlock(&b->mu);
     return POWERINFER_OK;

@@ -362,6 +362,10 @@ void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads
     if (n_threads_batch > 0) ctx->params.n_threads_batch = n_threads_batch;
 }
 
+void pi_context_set_abort(struct powerinfer_context * ctx, bool (*fn)(void * data), void * data) {
+    ggml_backend_cpu_set_abort_callback(ctx->backend, fn, data);
+}
+
 int32_t pi_context_reserve_outputs(struct powerinfer_context * ctx, int32_t rows) {
     if (rows <= ctx->logits_capacity) {
         return POWERINFER_OK;
@@ -595,6 +599,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     ggml_backend_cpu_set_n_threads(ctx->backend, n_tokens > 1 ? ctx->params.n_threads_batch : ctx->params.n_threads);
     enum ggml_status st = ctx->sched ? ggml_backend_sched_graph_compute(ctx->sched, gf)
                                      : ggml_backend_graph_compute(ctx->backend, gf);
+    if (st == GGML_STATUS_ABORTED) {
+        return pi_fail(POWERINFER_ERR_ABORTED, "the computation was interrupted by its abort callback");
+    }
     if (st != GGML_STATUS_SUCCESS) {
         return pi_fail(POWERINFER_ERR_INTERNAL, "graph computation failed (ggml status %d)", (int) st);
     }

@@ -412,3 +412,8 @@ struct powerinfer_context {
 
 // Makes room for `rows` rows of logits (and embeddings, when enabled).
 int32_t pi_context_reserve_outputs(struct powerinfer_context * ctx, int32_t rows);
+
+// fn(data), asked between the graph's nodes on the CPU, interrupts the computation when it
+// returns true: the decode then fails with POWERINFER_ERR_ABORTED and the batch's cells are
+// free again (fn NULL: never).
+void pi_context_set_abort(struct powerinfer_context * ctx, bool (*fn)(void * data), void * data);

@@ -43,6 +43,7 @@ enum powerinfer_status {
     POWERINFER_ERR_CONTEXT_FULL = -5, // the tokens do not fit in n_ctx
     POWERINFER_ERR_NO_MEMORY    = -6,
     POWERINFER_ERR_INTERNAL     = -7,
+    POWERINFER_ERR_ABORTED      = -8, // a computation interrupted on purpose (a batcher restarting a step)
 };
 
 enum powerinfer_log_level {
@@ -158,6 +159,9 @@ struct powerinfer_sampler_params {
 struct powerinfer_batcher_params {
     int32_t lookahead;      // tokens a sequence running ahead may have sampled and not yet handed over (>= 1)
     float   max_gather_ms;  // longest a step waits for the lockstep sequences' decodes (also at most the last step's duration)
+    float   restart_within; // a new request (a run's start, a decode of several tokens) that finds a step under way
+                            // for less than this share of the average step's time interrupts it, and the step is
+                            // computed again with the request in it (once per step; 0: never). Dense models only.
 };
 
 struct powerinfer_batcher_stats {
@@ -166,6 +170,8 @@ struct powerinfer_batcher_stats {
     int64_t n_gen_tokens;     // tokens of one-token requests (generation steps)
     int32_t max_batch_tokens; // largest batch computed
     double  busy_ms;          // time spent computing steps
+    int64_t n_restarts;       // steps interrupted for a new request and computed again (restart_within)
+    double  restart_ms;       // time the interrupted steps had computed, thrown away
 };
 
 struct powerinfer_timings {
