@@ -218,6 +218,23 @@ def _round(url: str, clients: int, per_client: int, max_tokens: int, eos_bias: D
     return {"wall": wall, "results": [_parse(r, deadline) for r in results]}
 
 
+def _metrics(url: str) -> Dict[str, float]:
+    """Our server's /metrics as {name: value} (the `powerinfer_` prefix dropped)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("powerinfer_"):
+            out[name[len("powerinfer_"):]] = float(value)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="a name from powerinfer_py.assets.models, or a GGUF path")
@@ -272,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     rates.setdefault(key, []).append(r["tok_s"])
                     if key not in best or r["tok_s"] > best[key]["tok_s"]:
                         best[key] = r
+        ours = _metrics(servers[0].url)
     finally:
         for server in servers:
             server.close()
@@ -302,9 +320,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          "median TTFT ms", "TTFT vs 1 client", "outputs = 1-client run"],
         rows,
     )  # fmt: skip
+    busy = ours.get("busy_seconds_total", 0.0)
+    print(f"powerinfer-py, all rounds: {ours.get('decode_steps_total', 0):.0f} steps, "
+          f"{ours.get('decode_steps_restarted_total', 0):.0f} interrupted for a new request and computed again "
+          f"({ours.get('restart_seconds_total', 0):.2f} s thrown away, "
+          f"{100 * ours.get('restart_seconds_total', 0) / busy if busy else 0:.1f}% of {busy:.1f} s computing); "
+          f"{ours.get('prompt_tokens_cached_total', 0):.0f} prompt tokens from the cache, "
+          f"{ours.get('prompt_tokens_total', 0):.0f} computed")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "bandwidth_gbs": bandwidth, "model": model, "rows": out}, f, indent=1)
+            json.dump({"cpu": cpu_model(), "bandwidth_gbs": bandwidth, "model": model, "rows": out, "metrics": ours},
+                      f, indent=1)
     return 0
 
 
