@@ -73,6 +73,7 @@ struct pi_bitem {
     int32_t                  n_rows;   // logits rows it gets
     int32_t                  row;      // its first row in the step's output
     int32_t                  status;   // of its decode
+    struct powerinfer_sampler * smpl;  // a run's sampler, taken under mu (stop() clears the run's)
     powerinfer_token         sampled;  // a run's new token, or -1
     char                     err[PI_BATCHER_ERR_LEN];  // the message of a failed status
 };
@@ -221,6 +222,7 @@ static int32_t collect(struct powerinfer_batcher * b) {
                 it.n_rows = q->req_all ? q->req_n : 1;
             } else if (run_ready(b, q)) {
                 it.is_run = true;
+                it.smpl   = q->smpl;
                 it.tokens = q->in;
                 it.n      = q->n_in;
                 it.pos    = q->in_pos;
@@ -306,7 +308,7 @@ static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * it
         struct pi_bseq * q = &b->seqs[it->seq];
         if (it->is_run) {
             // The sampler is the run's until powerinfer_batcher_stop returns, which waits for ctx_mu.
-            it->sampled = powerinfer_sampler_sample(q->smpl, ctx, it->row);
+            it->sampled = powerinfer_sampler_sample(it->smpl, ctx, it->row);
             if (it->sampled < 0) {
                 it->status = powerinfer_last_status() != POWERINFER_OK ? powerinfer_last_status() : POWERINFER_ERR_INTERNAL;
                 snprintf(it->err, sizeof(it->err), "sampling failed: %s", powerinfer_last_error());
