@@ -107,8 +107,7 @@ struct powerinfer_batcher {
     int32_t          n_edits, edits_cap;
     double           step_ms;  // moving average of a step's compute time
     // The group under way (under mu), for restarts; abort is read by ggml's abort callback.
-    bool             computing;
-    bool             restartable;  // a new request may still interrupt it
+    bool             restartable;  // one computes, and a new request may still interrupt it
     double           restart_until; // until when (pi_time_ms)
     bool             no_restart;   // the step was interrupted once already
     atomic_bool      abort;
@@ -329,7 +328,7 @@ static bool abort_requested(void * data) {
 // A new request has come (the caller holds mu): interrupt the group under way if it began
 // recently enough (see the file's header).
 static void maybe_restart(struct powerinfer_batcher * b) {
-    if (b->computing && b->restartable && pi_time_ms() < b->restart_until) {
+    if (b->restartable && pi_time_ms() < b->restart_until) {
         b->restartable = false;
         atomic_store_explicit(&b->abort, true, memory_order_relaxed);
     }
@@ -445,14 +444,13 @@ static void * run(void * arg) {
                 n_tok += it->n;
                 ++j;
             }
-            b->computing   = true;
             b->restartable = b->dense && !b->no_restart && b->params.restart_within > 0.0f && b->step_ms > 0.0;
             b->restart_until = pi_time_ms() + b->params.restart_within * b->step_ms;
             atomic_store_explicit(&b->abort, false, memory_order_relaxed);
             pthread_mutex_unlock(&b->mu);
             const int32_t rc = compute_group(b, b->items + i, j - i);
             pthread_mutex_lock(&b->mu);
-            b->computing = false;
+            b->restartable = false;
             if (rc == POWERINFER_ERR_ABORTED) {
                 interrupted = true;  // its items (and any after) are collected again
                 break;
