@@ -8,8 +8,10 @@
 #   POWERINFER_CACHE          cache root (default ~/.cache/powerinfer-py), shared with
 #                             powerinfer_py.assets.models; the llama wheel goes to
 #                             $POWERINFER_CACHE/wheels-llama-<hash>/
-#   CMAKE_ARGS                passed to the llama-cpp-python build, e.g. "-DGGML_CUDA=on";
-#                             part of <hash>, so a different value builds another wheel
+#   CMAKE_ARGS                passed to the llama-cpp-python build (default "-DGGML_RPC=on":
+#                             ggml's RPC backend, for `powerinfer rpc-server` and --rpc;
+#                             e.g. "-DGGML_RPC=on -DGGML_CUDA=on"); part of <hash>, so a
+#                             different value builds another wheel
 #   POWERINFER_LLAMA_CFLAGS   C/C++ flags of that build (default on x86_64: no AMX, see below)
 #   PYTHON                    interpreter that creates .venv (default python3)
 set -euo pipefail
@@ -79,7 +81,7 @@ elif [ "$(uname -m)" = x86_64 ]; then
 else
     LLAMA_CFLAGS=""  # the -mno-amx-* options exist only on x86
 fi
-LLAMA_CMAKE_ARGS=${CMAKE_ARGS:-}
+LLAMA_CMAKE_ARGS=${CMAKE_ARGS:--DGGML_RPC=on}
 LLAMA_KEY=$(printf 'llama-cpp-python==%s\nCFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' \
     "$LLAMA_VERSION" "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
 WHEEL_DIR=$CACHE/wheels-llama-$LLAMA_KEY
