@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import random
 import threading
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
@@ -55,6 +56,7 @@ import numpy as np
 
 from ._core import Batcher, Context, PowerInferError, Sampler, release_threads
 from ._llama import generation
+from ._llama import tokenizer as _tokenizer
 from .llama import Llama
 
 __all__ = ["ParallelLlama"]
@@ -71,8 +73,13 @@ _MAX_GATHER_MS = 20.0
 class _SequenceContext:
     """What a Llama needs of its Context, for one sequence of the pool's context."""
 
-    def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int):
+    def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int, keeps_rows: bool):
         self._pool, self.seq, self._n_ctx = pool, seq, n_ctx
+        # The slot's score rows (logits_all) are those of its first n_scored positions: rows
+        # decoded and copied in Python; a run ahead, a truncation or an adopted prefix
+        # leaves later ones unwritten or stale.
+        self._keeps_rows = keeps_rows
+        self.n_scored = 0
         self._logits = np.zeros((0, pool.n_vocab), dtype=np.float32)
         self._row = np.empty((1, pool.n_vocab), dtype=np.float32)  # a generation step's row, reused
         self.params = pool._ctx.params
@@ -93,8 +100,14 @@ class _SequenceContext:
         n_rows = len(tokens) if logits_all else 1
         out = self._row if n_rows == 1 else np.empty((n_rows, self._pool.n_vocab), dtype=np.float32)
         self._logits = self._logits[:0]  # a failed decode leaves no logits
+        self.forget_rows_from(pos)
         self._pool._batcher.decode(self.seq, tokens, pos, logits_all, out)
         self._logits = out
+        if self._keeps_rows and logits_all and pos == self.n_scored:
+            self.n_scored = pos + len(tokens)  # eval_tokens copies them into the slot's scores
+
+    def forget_rows_from(self, pos: int) -> None:
+        self.n_scored = min(self.n_scored, pos)
 
     def logits(self, row: int = -1, n_rows: int = 1) -> np.ndarray:
         n = len(self._logits)
@@ -108,6 +121,7 @@ class _SequenceContext:
 
     def kv_truncate(self, n_keep: int) -> None:
         # Queued: applied before the next step, without waiting for the one being computed.
+        self.forget_rows_from(n_keep)
         self._pool._batcher.kv_keep(self.seq, n_keep)
 
     def timings(self) -> Dict[str, float]:
@@ -152,11 +166,12 @@ class _Slot(Llama):
     """A Llama over one sequence of a ParallelLlama (made by the pool, never directly)."""
 
     def __init__(self, pool: "ParallelLlama", base: Llama, seq: int, n_ctx: int):  # noqa: D107 (no Llama.__init__)
-        self.__dict__.update(base.__dict__)  # the model, tokenizer, chat handlers, settings
+        self.__dict__.update(base.__dict__)  # the tokenizer, chat handlers, settings
         self.__dict__.pop("_generation_hint", None)  # base's last completion's, not ours
+        self._model = pool._model
         self._pool = pool
         self.seq_id = seq
-        self._ctx = _SequenceContext(pool, seq, n_ctx)  # type: ignore[assignment]
+        self._ctx = _SequenceContext(pool, seq, n_ctx, keeps_rows=base._logits_all)  # type: ignore[assignment]
         self._n_ctx = n_ctx
         self.input_ids = np.zeros((n_ctx,), dtype=np.intc)
         self.scores = np.zeros((n_ctx if self._logits_all else 1, self._n_vocab), dtype=np.single)
@@ -165,6 +180,8 @@ class _Slot(Llama):
         self._sampler = None
         self.cache = None
         self._pieces = base._pieces
+        if isinstance(base.tokenizer_, _tokenizer.CoreTokenizer):  # the slot's, on the pool's model
+            self.tokenizer_ = _tokenizer.CoreTokenizer(self)
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any):
         # From create_completion, if it called us: its max_tokens (a run ahead samples no
@@ -177,7 +194,10 @@ class _Slot(Llama):
         if not tokens and self.n_tokens == 0:
             raise ValueError("generate needs at least one prompt token")
         if arguments["reset"]:
-            self._pool._adopt_prefix(self, tokens)
+            if wants_rows:
+                # Only positions with their score rows may be reused: the rows are read.
+                self.n_tokens = min(self.n_tokens, self._ctx.n_scored)
+            self._pool._adopt_prefix(self, tokens, wants_rows)
         sampler = generation.init_sampler(self, **generation.sampler_args(arguments))
         stop_tokens = generation.core_stop_tokens(arguments["stopping_criteria"])
         if stop_tokens is not None and not wants_rows and sampler.logits_processor is None:
@@ -197,7 +217,7 @@ class ParallelLlama:
     """`n_parallel` slots over one model: see the module docstring."""
 
     def __init__(self, llama: Llama, n_parallel: int = 4, *, n_ctx: Optional[int] = None,
-                 restart_within: float = 0.5):
+                 restart_within: float = 0.5, prompt_slice_ms: float = 250.0):
         if not isinstance(llama, Llama) or getattr(llama, "_fallback", None) is not None:
             raise ValueError("ParallelLlama needs a powerinfer_py.Llama running on the powerinfer engine")
         if llama._model is None or llama._ctx is None:
@@ -206,15 +226,19 @@ class ParallelLlama:
             raise ValueError(f"n_parallel must be an int in [1, 64], not {n_parallel!r}")
         if not isinstance(restart_within, (int, float)) or not 0.0 <= restart_within <= 1.0:
             raise ValueError(f"restart_within must be a number in [0, 1], not {restart_within!r}")
+        if not isinstance(prompt_slice_ms, (int, float)) or not 0.0 <= prompt_slice_ms <= 1e6:
+            raise ValueError(f"prompt_slice_ms must be a number in [0, 1e6], not {prompt_slice_ms!r}")
         n_ctx_slot = llama.n_ctx() if not n_ctx else int(n_ctx)
         if n_ctx_slot <= 0:
             raise ValueError(f"n_ctx must be > 0, not {n_ctx!r}")
         base_params = llama.context_params
         self._llama = llama
+        # The pool's own handle on the model: closing `llama` first leaves the pool working.
+        self._model = llama._model.share()
         self.n_parallel = n_parallel
         self.n_vocab = llama.n_vocab()
         self._ctx = Context(
-            llama._model, n_ctx=n_ctx_slot * n_parallel, n_batch=llama.n_batch, n_seq_max=n_parallel,
+            self._model, n_ctx=n_ctx_slot * n_parallel, n_batch=llama.n_batch, n_seq_max=n_parallel,
             n_threads=llama.n_threads, n_threads_batch=llama.n_threads_batch, seed=base_params.seed,
             # Flash attention visits a sequence's cells in position order and skips the rest;
             # with ggml's reference kernels (no tiling, no split of the cache over threads) a
@@ -225,9 +249,13 @@ class ParallelLlama:
         self.n_ctx_slot = min(n_ctx_slot, self._ctx.n_ctx())
         self._slots = [_Slot(self, llama, i, self.n_ctx_slot) for i in range(n_parallel)]
         self._free: Deque[int] = collections.deque(range(n_parallel))  # idle longest first
-        self._slot_cond = threading.Condition()
+        self._slot_cond = threading.Condition()  # also guards _counts and _seeds
         self._n_waiting = 0
         self._closed = False
+        # Each request on any slot takes the next seed of one stream: slots that copied the
+        # Llama's seed drew the same seeds, so the i-th sampled request on every slot was the
+        # same sample (best-of-n and sampling evaluations saw n_parallel copies).
+        self._seeds = random.Random(llama._seed)
         self._counts: Dict[str, int] = {
             "prompt_tokens_reused": 0,  # prompt tokens found in the cache (own or adopted prefix)
             "requests": 0,  # slots handed out
@@ -238,7 +266,7 @@ class ParallelLlama:
         # would make two (see the module docstring).
         release_threads()
         self._batcher = Batcher(self._ctx, lookahead=_LOOKAHEAD, max_gather_ms=_MAX_GATHER_MS,
-                                restart_within=restart_within)
+                                restart_within=restart_within, prompt_slice_ms=prompt_slice_ms)
 
     # ---- slots -------------------------------------------------------------------------
 
@@ -255,7 +283,9 @@ class ParallelLlama:
             if self._closed:
                 raise RuntimeError("the ParallelLlama is closed")
             self._counts["requests"] += 1
-            return self._slots[self._free.popleft()]
+            slot = self._slots[self._free.popleft()]
+            slot._seed = self._seeds.randrange(2**32)  # an unseeded request derives its seed from it
+            return slot
 
     def release(self, slot: Llama) -> None:
         with self._slot_cond:
@@ -281,9 +311,11 @@ class ParallelLlama:
     def requests_waiting(self) -> int:
         return self._n_waiting
 
-    def _adopt_prefix(self, slot: _Slot, tokens: List[int]) -> None:
+    def _adopt_prefix(self, slot: _Slot, tokens: List[int], with_rows: bool) -> None:
         """Before a generation on `slot`: if an idle slot holds a longer prefix of `tokens`
-        than `slot` itself, `slot`'s sequence becomes that prefix (shared cells)."""
+        than `slot` itself, `slot`'s sequence becomes that prefix (shared cells). With_rows
+        (the generation reads score rows: logprobs), only a prefix whose rows the idle slot
+        has is taken, and the rows are copied too."""
         if not tokens:
             return
         prompt = np.asarray(tokens, dtype=np.intc)
@@ -292,19 +324,23 @@ class ParallelLlama:
             best, best_len = None, own
             for i in self._free:
                 other = self._slots[i]
-                n = _common_prefix(other.input_ids[: other.n_tokens], prompt)
+                n_own = min(other.n_tokens, other._ctx.n_scored) if with_rows else other.n_tokens
+                n = _common_prefix(other.input_ids[:n_own], prompt)
                 if n > best_len:
                     best, best_len = other, n
             if best is not None:
                 # Queued while `best` is held idle here: the batcher applies it before any later
                 # request of `best` (its edits are applied in the order queued, ahead of decodes).
                 self._batcher.kv_share(slot.seq_id, best.seq_id, best_len)
-                src = best
-                slot.input_ids[:best_len] = src.input_ids[:best_len]
+                slot.input_ids[:best_len] = best.input_ids[:best_len]
+                slot._ctx.forget_rows_from(0)
+                if with_rows:
+                    slot.scores[:best_len] = best.scores[:best_len]
+                    slot._ctx.n_scored = best_len
                 slot.n_tokens = best_len
                 slot._requires_eval = True
-        # The last prompt token is decoded again for its logits.
-        self._counts["prompt_tokens_reused"] += max(min(best_len, len(tokens) - 1), 0)
+            # The last prompt token is decoded again for its logits.
+            self._counts["prompt_tokens_reused"] += max(min(best_len, len(tokens) - 1), 0)
 
     # ---- generations ---------------------------------------------------------------------
 
@@ -315,13 +351,17 @@ class ParallelLlama:
     def _lockstep(self, slot: _Slot, tokens: Iterator[int]):
         """A generation sampled in Python (Llama.generate on the slot): while it runs, each
         step waits for the slot's next decode."""
-        self._counts["runs_lockstep"] += 1
+        self._count("runs_lockstep")
         self._batcher.set_lockstep(slot.seq_id, True)
         try:
             return (yield from tokens)
         finally:
-            if not self._batcher.closed:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing waits for it
                 self._batcher.set_lockstep(slot.seq_id, False)
+
+    def _count(self, name: str) -> None:
+        with self._slot_cond:
+            self._counts[name] += 1
 
     def _run_ahead(self, slot: _Slot, tokens: List[int], sampler: Sampler, reset: bool,
                    n_predict: Optional[int], stop_tokens: List[int]):
@@ -335,7 +375,7 @@ class ParallelLlama:
         generation in Python. `stop_tokens` end it as generation.StopOnLastToken does: once
         such a token is evaluated (handed over, and the caller asks for the next), nothing
         more is handed over."""
-        self._counts["runs_ahead"] += 1
+        self._count("runs_ahead")
         batcher, seq = self._batcher, slot.seq_id
         slot._sampler = sampler
         todo = generation.prepare_prompt(slot, tokens, reset)
@@ -356,6 +396,7 @@ class ParallelLlama:
                     slot.input_ids[pos : pos + len(todo)] = todo
                     slot.n_tokens = pos + len(todo)
                     return
+                slot._ctx.forget_rows_from(pos)  # the core decodes from pos on: no rows in Python
                 batcher.generate(seq, todo, pos, sampler, n_predict or 0, slot._n_ctx, stop_tokens)
                 slot.input_ids[pos : pos + len(todo)] = todo
                 slot.n_tokens = pos + len(todo)
@@ -385,8 +426,7 @@ class ParallelLlama:
                 # and the caller asks for more: its last token is decoded in a new run.
                 todo, n_predict = [last], None
         finally:
-            if not batcher.closed:  # the pool's close() ended every run
-                batcher.stop(seq, slot.n_tokens)
+            batcher.stop(seq, slot.n_tokens)  # nothing to stop once the pool's close() ended every run
             slot._requires_eval = True  # the last logits were the core's, never the slot's
             if slot._sampler is sampler:
                 slot._sampler = None
@@ -398,26 +438,32 @@ class ParallelLlama:
         """Counters since the pool was made: the batcher's (steps, tokens, busy time) and the
         pool's (requests, prompt tokens reused, generations run ahead or in lockstep)."""
         st = self._batcher.stats()
+        with self._slot_cond:
+            counts = dict(self._counts)
         return {
             "steps": st["n_steps"],  # decode_batch calls
             "tokens_prompt": st["n_prompt_tokens"],  # tokens of requests of more than one token
             "tokens_generated": st["n_gen_tokens"],  # one-token requests (generation steps)
+            "prompt_chunks": st["n_prompt_chunks"],  # pieces of prompts, one per step (prompt_slice_ms)
             "batch_tokens_max": st["max_batch_tokens"],
             "busy_seconds": st["busy_ms"] / 1000.0,  # time spent computing
             "steps_restarted": st["n_restarts"],  # steps interrupted for a new request (restart_within)
             "restart_seconds": st["restart_ms"] / 1000.0,  # what those steps had computed, thrown away
-            **self._counts,
+            "kv_cells_used": st["kv_cells_used"],  # after the last step
+            "sparse_active": st["sparse_active"],  # FFN neurons the sparse steps computed, all layers
+            "sparse_total": st["sparse_total"],
+            **counts,
         }
 
     def sparse_active_fraction(self) -> Optional[float]:
-        """Share of FFN neurons the sparse steps computed since the pool was made (None: no sparse step)."""
-        n_layer = self._llama._model.n_layer()
-        counts = self._with_ctx(lambda ctx: [ctx.sparse_stats(il) for il in range(n_layer)])
-        total = sum(n for _, n in counts)
-        return sum(a for a, _ in counts) / total if total else None
+        """Share of FFN neurons the sparse steps computed since the pool was made (None: no
+        sparse step), as of the last step: it never waits for a step."""
+        st = self._batcher.stats()
+        return st["sparse_active"] / st["sparse_total"] if st["sparse_total"] else None
 
     def kv_cells_used(self) -> int:
-        return self._with_ctx(lambda ctx: ctx.kv_used_cells())
+        """KV cells in use after the last step (never waits for a step)."""
+        return int(self._batcher.stats()["kv_cells_used"])
 
     def close(self) -> None:
         """Stop the batcher and free the pool's context (not the Llama it was made from)."""
@@ -428,6 +474,7 @@ class ParallelLlama:
             self._slot_cond.notify_all()
         self._batcher.close()
         self._ctx.close()
+        self._model.close()
 
     def __enter__(self) -> "ParallelLlama":
         return self

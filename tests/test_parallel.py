@@ -797,3 +797,374 @@ def test_release_threads_then_compute_again(smol_model, smol_llama):
         np.testing.assert_array_equal(c.logits(), first)
         assert release_threads() is True  # twice in a row, and with no pool: fine
         assert release_threads() is True
+
+
+# ---- defects found by review (issue 28) ----------------------------------------------------
+
+# A grammar no token can start: no token begins with a NUL byte.
+NUL_GRAMMAR = 'root ::= "\\x00"'
+
+
+def _run_python(code: str, timeout: float = 240) -> "subprocess.CompletedProcess[str]":
+    """`code` in a fresh interpreter (a crash there is a failed test, not a dead suite)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, errors="replace",
+                          timeout=timeout, cwd=str(__import__("conftest").REPO_DIR))
+
+
+def test_a_grammar_no_token_can_satisfy_is_an_error_not_a_crash(smollm2_path):
+    """libllama's grammar sampler throws (std::terminate through the C API) when it has to
+    accept a token its grammar cannot take, which it does once every candidate is excluded;
+    the core catches it and says the grammar allows no token, in Llama and on a pool's slot,
+    run ahead (sampled on the batcher's thread) or in lockstep."""
+    r = _run_python(f"""
+from powerinfer_py import Llama, ParallelLlama, PowerInferError
+llm = Llama(model_path={smollm2_path!r}, n_ctx=256, n_threads=2, verbose=False)
+for run in range(2):
+    try:
+        llm.create_completion("Hi", max_tokens=4, grammar={NUL_GRAMMAR!r})
+    except PowerInferError as e:
+        assert e.status_name == "POWERINFER_ERR_INVALID_ARG" and "grammar allows no token" in str(e), e
+    else:
+        raise AssertionError("no error")
+print("llama ok", llm.create_completion("Hi", max_tokens=2, temperature=0)["choices"][0]["text"] != None)
+with ParallelLlama(llm, n_parallel=2) as pool:
+    for processors in (None, [lambda ids, scores: scores]):  # run ahead, then lockstep
+        with pool.slot() as slot:
+            try:
+                slot.create_completion("Hi", max_tokens=4, grammar={NUL_GRAMMAR!r}, logits_processor=processors)
+            except PowerInferError as e:
+                assert "grammar allows no token" in str(e), e
+            else:
+                raise AssertionError("no error")
+    with pool.slot() as slot:
+        print("pool ok", bool(slot.create_completion("Hi", max_tokens=2, temperature=0)["choices"]))
+""")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "llama ok True" in r.stdout and "pool ok True" in r.stdout
+
+
+def test_an_unclosed_pool_frees_in_any_order(smollm2_path):
+    """Pool and slots form a reference cycle, so the collector finalizes the pool's Context,
+    its Batcher and the samplers in any order; the core counts references, so none frees
+    memory another still uses. Also: the Llama closed before the pool (the pool keeps
+    serving), and a pool never closed at all (closed at exit)."""
+    r = _run_python(f"""
+import gc
+from powerinfer_py import Llama, ParallelLlama
+llm = Llama(model_path={smollm2_path!r}, n_ctx=256, n_threads=2, verbose=False)
+for _ in range(3):
+    pool = ParallelLlama(llm, n_parallel=2)
+    with pool.slot() as slot:
+        gen = slot.create_completion("Count: 1, 2,", max_tokens=64, temperature=0, stream=True)
+        next(gen)  # a run ahead under way, its generator never finished
+    del pool, slot, gen
+    gc.collect()
+pool = ParallelLlama(llm, n_parallel=2)
+llm.close()  # before the pool: it keeps its model
+with pool.slot() as slot:
+    print("after llm.close:", bool(slot.create_completion("Hi", max_tokens=3, temperature=0)["choices"][0]["text"]))
+pool.close()
+llm = Llama(model_path={smollm2_path!r}, n_ctx=256, n_threads=2, verbose=False)
+never_closed = ParallelLlama(llm, n_parallel=2)
+with never_closed.slot() as slot:
+    it = slot.create_completion("Once upon a time", max_tokens=200, temperature=0, stream=True)
+    next(it)
+print("exiting")
+""")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "after llm.close: True" in r.stdout and "exiting" in r.stdout
+
+
+def test_closing_the_pool_during_run_ahead_steps(smollm2_path):
+    """close() while runs ahead are computing and handing over tokens (the server's Ctrl-C):
+    the core's batcher ends its step and joins its thread before anything is freed, the
+    samplers live as long as the step uses them, and every generation ends with an error or
+    its tokens, never a crash."""
+    r = _run_python(f"""
+import random, threading, time
+from powerinfer_py import Llama, ParallelLlama
+llm = Llama(model_path={smollm2_path!r}, n_ctx=256, n_threads=2, verbose=False)
+rng = random.Random(1)
+outcomes = []
+for round in range(12):
+    pool = ParallelLlama(llm, n_parallel=3)
+    def run(i):
+        try:
+            with pool.slot() as slot:
+                for k, _ in enumerate(slot.create_completion(f"Count {{i}}: 1, 2,", max_tokens=200, temperature=0.7,
+                                                            seed=i, stream=True)):
+                    if k % 5 == 0:
+                        time.sleep(0.001)
+            outcomes.append("done")
+        except Exception as e:  # closed under it
+            outcomes.append(type(e).__name__)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.05, 0.6))
+    pool.close()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+print("outcomes", sorted(set(outcomes)), len(outcomes))
+""", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "outcomes" in r.stdout and " 36" in r.stdout, r.stdout
+
+
+def test_unseeded_samples_differ_across_slots(smol_llama):
+    """Each slot copied the Llama's seed and each completion derives the next seed from its
+    slot's, so the i-th unseeded request on every slot drew the same sample: 8 requests on 4
+    slots gave 2 distinct answers. Now every request takes the next seed of the pool's stream."""
+    prompt, kwargs = "Write a word:", dict(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    with ParallelLlama(smol_llama, n_parallel=4) as pool:
+        answers = []
+        for _ in range(8):
+            with pool.slot() as slot:
+                answers.append(slot.create_completion(prompt, **kwargs)["choices"][0]["text"])
+        # A seeded request is still reproducible on any slot.
+        seeded = set()
+        for _ in range(4):
+            with pool.slot() as slot:
+                seeded.add(slot.create_completion(prompt, seed=123, **kwargs)["choices"][0]["text"])
+    assert len(set(answers)) >= 6, answers
+    assert len(seeded) == 1, seeded
+
+
+def test_echoed_logprobs_after_a_prompt_cache_hit(smollm2_path):
+    """echo + logprobs read the score rows of the prompt's positions. A slot that reuses its
+    cached prefix, or adopts an idle slot's, has no rows for positions a run ahead decoded or
+    another slot computed: before, those rows were read anyway (-10.80 = -log 49152 each).
+    The logprobs must equal those of a fresh pool, whatever was cached."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    kwargs = dict(max_tokens=1, temperature=0, echo=True, logprobs=1)
+    with Llama(model_path=smollm2_path, n_ctx=512, n_threads=2, logits_all=True, verbose=False) as llm:
+        def echoed(pool):
+            with pool.slot() as slot:
+                lp = slot.create_completion(prompt, **kwargs)["choices"][0]["logprobs"]
+            return lp["tokens"], np.array([x if x is not None else 0.0 for x in lp["token_logprobs"]])
+
+        with ParallelLlama(llm, n_parallel=2) as pool:
+            tokens, fresh = echoed(pool)
+        assert fresh[1:].min() < -0.01  # real values
+        with ParallelLlama(llm, n_parallel=2) as pool:
+            # A run ahead (no logprobs) caches the prompt on one slot; the next request takes
+            # the other slot and adopts the prefix; a third reuses its own.
+            with pool.slot() as slot:
+                slot.create_completion(prompt, max_tokens=4, temperature=0)
+            for _ in range(3):
+                t, lp = echoed(pool)
+                assert t == tokens
+                np.testing.assert_array_equal(lp, fresh)
+
+
+def test_stats_never_wait_for_a_step(smol_llama):
+    """The counters (/metrics reads them) are the batcher's as of its last step, under its
+    own mutex: with the context held (as a step holds it) they still answer."""
+    with ParallelLlama(smol_llama, n_parallel=2) as pool:
+        with pool.slot() as slot:
+            slot.create_completion("Hello there", max_tokens=4, temperature=0)
+        held, answered = threading.Event(), threading.Event()
+        release = threading.Event()
+
+        def hold():
+            with pool._batcher.locked():
+                held.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(30)
+        got = {}
+
+        def read():
+            got.update(pool.stats, cells=pool.kv_cells_used(), active=pool.sparse_active_fraction())
+            answered.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        ok = answered.wait(30)
+        release.set()
+        holder.join(30)
+        reader.join(30)
+        assert ok, "the counters waited for the context"
+        assert got["cells"] >= len(smol_llama.tokenize(b"Hello there")) and got["steps"] >= 4
+        assert got["active"] is None  # a dense model: no sparse step
+
+
+def test_a_long_prompt_is_computed_in_chunks_between_other_steps(smol_llama):
+    """A prompt is computed a chunk per step, between the decode steps of the sequences
+    already generating (before, one step held the whole prompt and every stream waited for
+    it). The running stream gets tokens while the prompt is read; both outputs equal their
+    solo runs bit for bit (dense, batch-invariant kernels)."""
+    long_prompt = " ".join(f"item {i}," for i in range(300))  # ~1200 tokens
+    n_long = len(smol_llama.tokenize(long_prompt.encode()))
+    with Llama(model_path=smol_llama.model_path, n_ctx=2048, n_batch=512, n_threads=2, verbose=False) as llm:
+        with ParallelLlama(llm, n_parallel=2, prompt_slice_ms=30) as pool:
+            def solo(prompt, n):
+                with pool.slot() as slot:
+                    slot.reset()
+                    return slot.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]["text"]
+
+            stream_alone = solo("Count: 1, 2, 3,", 200)
+            long_alone = solo(long_prompt, 4)
+            with pool.slot() as a, pool.slot() as b:
+                a.reset()
+                b.reset()
+                seen = []
+                gen = a.create_completion("Count: 1, 2, 3,", max_tokens=200, temperature=0, stream=True)
+                first = next(gen)["choices"][0]["text"]
+                chunks_before = pool.stats["prompt_chunks"]
+                result = {}
+                worker = threading.Thread(target=lambda: result.update(
+                    text=b.create_completion(long_prompt, max_tokens=4, temperature=0)["choices"][0]["text"]))
+                worker.start()
+                text = first
+                for chunk in gen:
+                    text += chunk["choices"][0]["text"]
+                    seen.append(worker.is_alive())
+                worker.join(300)
+            n_chunks = pool.stats["prompt_chunks"] - chunks_before
+    assert text == stream_alone and result["text"] == long_alone
+    assert n_chunks >= 3, f"{n_long} tokens in {n_chunks} chunks"
+    # Tokens of the stream arrived while the long prompt was being read.
+    assert sum(seen) >= n_chunks - 1, (sum(seen), n_chunks)
+
+
+@pytest.mark.parametrize("n_parallel", [1, 4])
+def test_server_answers_400_to_a_grammar_no_token_can_satisfy(smollm2_path, n_parallel):
+    """A grammar that no token can start (a NUL byte), as GBNF and through chat's
+    response_format json_schema, streamed and not: a 400 naming the grammar, and the server
+    (whose process libllama's exception used to end) goes on serving."""
+    import json
+
+    from conftest import ServerProcess
+
+    schema = {"type": "json_schema", "json_schema": {"name": "nul", "schema": {"const": "\u0000"}}}
+    with ServerProcess(smollm2_path, "--n_ctx", "256", "--n_parallel", str(n_parallel)) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as c:
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "grammar": NUL_GRAMMAR,
+                                                "stream": stream})
+            assert r.status_code == 400 and "grammar allows no token" in r.json()["error"]["message"], r.text
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                                     "response_format": schema, "stream": stream})
+            if stream:  # the grammar fails at its second character, after the stream began: an error event ends it
+                events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+                assert r.status_code == 200 and "grammar allows no token" in json.loads(events[-1])["error"]["message"]
+            else:
+                assert r.status_code == 400 and "grammar allows no token" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and server.proc.poll() is None
+
+
+def _slots_app(model_path, **server):
+    from powerinfer_py.server.app import create_app
+    from powerinfer_py.server.settings import ModelSettings, ServerSettings
+
+    return create_app(server_settings=ServerSettings(n_parallel=2, **server),
+                      model_settings=[ModelSettings(model=model_path, n_ctx=512, n_threads=2, verbose=False)])
+
+
+def test_metrics_and_health_answer_while_a_step_computes(smollm2_path):
+    """/metrics reads the batcher's counters as of its last step: with the context held (as
+    a step holds it for its whole duration) it answers, and so the event loop (/health)
+    does not stall behind it. Before, a scrape during a long prefill held /health 18 s."""
+    from fastapi.testclient import TestClient
+
+    app = _slots_app(smollm2_path)
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        held, release, answered = threading.Event(), threading.Event(), threading.Event()
+
+        def hold():
+            with app.state.powerinfer.pool._batcher.locked():
+                held.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(30)
+        got = {}
+
+        def scrape():
+            got["metrics"] = client.get("/metrics").text
+            got["health"] = client.get("/health").status_code
+            answered.set()
+
+        threading.Thread(target=scrape, daemon=True).start()
+        ok = answered.wait(30)
+        release.set()
+        holder.join(30)
+        assert ok, "/metrics waited for the step"
+        assert "powerinfer_decode_steps_total" in got["metrics"] and "powerinfer_kv_cells_used" in got["metrics"]
+        assert got["health"] == 200
+
+
+def test_interrupt_requests_with_slots_ends_one_stream_per_waiting_request(smollm2_path):
+    """--interrupt_requests with slots: a request waiting for a slot ends the oldest
+    running stream only; the others go on to their end (before, every stream ended)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    app = _slots_app(smollm2_path, interrupt_requests=True)
+    state = app.state.powerinfer
+    long = {"max_tokens": 120, "temperature": 0, "stream": True, "logit_bias": {"2": -100.0}}
+    with TestClient(app) as client:
+        results: Dict[str, List[str]] = {}
+        started = {name: threading.Event() for name in ("old", "new")}
+
+        def stream(name, prompt):
+            with client.stream("POST", "/v1/completions", json={"prompt": prompt, **long}) as r:
+                data = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data.append(line[6:])
+                        started[name].set()
+                results[name] = data
+
+        old = threading.Thread(target=stream, args=("old", "1, 2, 3,"))
+        old.start()
+        assert started["old"].wait(60)
+        new = threading.Thread(target=stream, args=("new", "10, 20, 30,"))
+        new.start()
+        assert started["new"].wait(60)
+        waiting = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        old.join(120)
+        new.join(120)
+    assert waiting.status_code == 200
+    assert state.stats["streams_interrupted"] == 1
+    assert results["old"][-1] == "[DONE]" and len(results["old"]) < 100  # cut short
+    chunks = [json.loads(d)["choices"][0] for d in results["new"][:-1]]
+    assert chunks[-1]["finish_reason"] == "length", chunks[-1]  # the newer stream ran to its end
+
+
+def test_server_disconnect_frees_the_slot_of_a_run_ahead(parallel_server):
+    """The disconnect of a stream the core samples ahead (no Python processor: the logit
+    bias runs in the core): its run stops, its slot is free again."""
+
+    def metric(name):
+        text = httpx.get(parallel_server.url + "/metrics", timeout=30).text
+        return float(next(l.split()[1] for l in text.splitlines() if l.startswith(name + " ")))
+
+    payload = {"prompt": "1, 2, 3,", "max_tokens": 400, "temperature": 0, "stream": True, "logit_bias": {"2": -100.0}}
+    generated = metric("powerinfer_tokens_generated_total")
+    with httpx.Client(base_url=parallel_server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=payload) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert metric("powerinfer_slots_busy") == 1
+    deadline = time.monotonic() + 30
+    while metric("powerinfer_slots_busy") != 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    after = metric("powerinfer_tokens_generated_total")
+    time.sleep(0.5)
+    assert metric("powerinfer_tokens_generated_total") == after  # the run stopped
+    assert after - generated < 200

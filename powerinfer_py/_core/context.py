@@ -3,8 +3,9 @@ counters, placement), in the style of llama-cpp-python's _internals.LlamaContext
 
 `Context(model, **params)` creates it with the core's default context parameters,
 overridden by the given `struct powerinfer_context_params` fields, and raises
-PowerInferError when the core refuses. It keeps its Model alive; `close()` frees it
-exactly once, it is a context manager, and closing the model closes it first.
+PowerInferError when the core refuses. `close()` releases it exactly once and it is a
+context manager; the core keeps its model's memory while it lives (and a batcher keeps the
+context's), whatever order the handles are closed or collected in.
 
 Arrays returned as views (logits, embeddings, FFN capture) point into the core's
 buffers and are valid until the next decode: copy them to keep them.
@@ -59,7 +60,6 @@ class Context(Handle):
         self._ptr = ptr
         self.n_vocab = model.n_vocab()
         self.n_embd = model.n_embd()
-        model._attach(self)
 
     def _free(self, ptr) -> None:
         lib.powerinfer_context_free(ptr)

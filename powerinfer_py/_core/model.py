@@ -3,15 +3,15 @@ _internals.LlamaModel.
 
 `Model(path, **params)` loads a GGUF with the core's default parameters, overridden by
 the given `struct powerinfer_model_params` fields, and raises PowerInferError when the
-core refuses the file. `close()` frees it exactly once (first closing the contexts and
-samplers made from it, which point into it); it is a context manager, and garbage
-collection closes it too.
+core refuses the file. `close()` releases it exactly once; it is a context manager, and
+garbage collection closes it too. The core counts references: the contexts and samplers
+made from it hold the model's memory until they are closed too, so handles may be closed
+(or collected) in any order.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -65,7 +65,6 @@ class Model(Handle):
     _kind = "model"
 
     def __init__(self, path: "os.PathLike[str] | str", **params: Any):
-        self._dependents: "weakref.WeakSet[Handle]" = weakref.WeakSet()
         self.path = os.fspath(path)
         self.params = model_params(**params)
         ptr = lib.powerinfer_model_load(os.fsencode(self.path), self.params)
@@ -73,20 +72,16 @@ class Model(Handle):
             raise core_error(f"Failed to load model from file: {self.path}")
         self._ptr = ptr
 
-    # ---- lifetime --------------------------------------------------------------------
-
-    def _attach(self, dependent: Handle) -> None:
-        """Registers a context or sampler that must be closed before the model is freed."""
-        self._dependents.add(dependent)
-
-    def close(self) -> None:
-        """Free the model now (idempotent); its open contexts and samplers are closed first."""
-        for dependent in list(self._dependents):
-            dependent.close()
-        super().close()
-
     def _free(self, ptr) -> None:
         lib.powerinfer_model_free(ptr)
+
+    def share(self) -> "Model":
+        """A second handle on the same loaded model (the core counts the reference): it
+        stays usable after this one is closed, and the model's memory lives until both are."""
+        other = Model.__new__(Model)
+        other.path, other.params = self.path, self.params
+        other._ptr = lib.powerinfer_model_retain(self.ptr)
+        return other
 
     # ---- hyper-parameters --------------------------------------------------------------
 

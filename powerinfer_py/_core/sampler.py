@@ -1,8 +1,9 @@
 """`Sampler`: an owned `struct powerinfer_sampler *`, the sampler of one generation: a
 libpowerinfer sampler chain set up the way llama-cpp-python 0.3.36's
 Llama._init_sampler sets up its libllama chain, plus the Python logits processors,
-which run on a copy of the logits row before the chain. It keeps its Model alive and
-is freed exactly once (close(), garbage collection, or closing the model)."""
+which run on a copy of the logits row before the chain. It is released exactly once
+(close() or garbage collection); the core keeps its model alive, and a batcher running a
+generation with it keeps it alive until that generation ends."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from .bindings import ffi, lib
 from .context import Context
-from .errors import core_error
+from .errors import OK, core_error
 from .handle import Handle
 from .model import Model
 
@@ -150,7 +151,6 @@ class Sampler(Handle):
         if ptr == ffi.NULL:
             raise core_error("invalid sampling parameters")
         self._ptr = ptr
-        model._attach(self)
 
     def _free(self, ptr) -> None:
         lib.powerinfer_sampler_free(ptr)
@@ -179,8 +179,8 @@ class Sampler(Handle):
                         logits[:] = out
             logits = np.ascontiguousarray(logits, dtype=np.float32)
             token = int(lib.powerinfer_sampler_sample_logits(self.ptr, ffi.from_buffer("float[]", logits), self.n_vocab))
-            if token >= 0:
-                lib.powerinfer_sampler_accept(self.ptr, token)
+            if token >= 0 and lib.powerinfer_sampler_accept(self.ptr, token) != OK:
+                token = -1
         if token < 0:
             raise core_error("sampling failed")
         return token

@@ -23,6 +23,17 @@
 // computed again with the request in it. A step is interrupted once at most, so arrivals
 // cannot starve the sequences already running; what it had computed is lost (n_restarts,
 // restart_ms). Dense models only: a sparse model's prompt is computed in a group of its own.
+//
+// Prompt chunks: a prompt is computed a chunk per step, so the sequences already generating
+// keep stepping while it is read (a 3300-token prompt in one step stopped every stream for
+// a minute). A dense model's chunk is sized to take about prompt_slice_ms by the measured
+// time per prompt token; with batch-invariant kernels a token's result does not depend on
+// where a chunk ends. A sparse model's chunks are n_batch tokens, the ubatches of a lone
+// decode, so each piece takes the FFN path it takes alone.
+//
+// Lifetime: powerinfer_batcher_close ends the thread and wakes every waiting caller; every
+// call after it fails without touching the context. Callers inside a call (n_inside) are
+// waited for, so free() after close() frees nothing in use.
 #include "powerinfer-impl.h"
 
 #include <errno.h>
@@ -43,6 +54,7 @@ struct pi_bseq {
     bool                     req_done;
     const powerinfer_token * req_tokens;
     int32_t                  req_n, req_pos;
+    int32_t                  req_off;      // its tokens computed so far (earlier chunks)
     bool                     req_all;      // every token's logits
     float *                  req_out;
     int32_t                  req_status;   // rows copied, or a negative status
@@ -70,8 +82,9 @@ struct pi_bitem {
     bool                     is_run;
     const powerinfer_token * tokens;
     int32_t                  n, pos;
-    int32_t                  n_rows;   // logits rows it gets
+    int32_t                  n_rows;   // logits rows it gets (0: a prompt chunk before the last)
     int32_t                  row;      // its first row in the step's output
+    float *                  out;      // a request's rows go here
     int32_t                  status;   // of its decode
     struct powerinfer_sampler * smpl;  // a run's sampler, taken under mu (stop() clears the run's)
     powerinfer_token         sampled;  // a run's new token, or -1
@@ -91,14 +104,17 @@ struct powerinfer_batcher {
     int32_t                         n_seq, n_vocab;
     bool                            dense;    // the whole step in one batch (no sparse path to keep)
     int32_t                         sparse_max_batch;
+    int32_t                         n_batch;  // the context's: the largest prompt chunk
 
     pthread_mutex_t mu;
     pthread_cond_t  work_cv;   // the thread waits here for work
     pthread_mutex_t ctx_mu;
     pthread_t       thread;
-    bool            started;
-    bool            quit;
-    int32_t         n_inside;  // callers inside a waiting call (free() waits for them to leave)
+    bool            started;   // the thread runs (until close() joins it)
+    bool            started_once; // it was started: the batcher holds a reference on ctx
+    bool            quit;      // closing or closed: nothing more is computed, every call fails
+    bool            closed;    // powerinfer_batcher_close has returned
+    int32_t         n_inside;  // callers inside a call (close() waits for them to leave)
     int32_t         n_ctx_waiters; // callers waiting for ctx_mu: the thread lets them have it first
     pthread_cond_t  left_cv;
 
@@ -106,6 +122,7 @@ struct powerinfer_batcher {
     struct pi_bedit * edits;   // queued, applied in order under ctx_mu before the next step's decodes
     int32_t          n_edits, edits_cap;
     double           step_ms;  // moving average of a step's compute time
+    double           prompt_tok_ms; // moving average of a prompt token's share of a step's time
     // The group under way (under mu), for restarts; abort is read by ggml's abort callback.
     bool             restartable;  // one computes, and a new request may still interrupt it
     double           restart_until; // until when (pi_time_ms)
@@ -126,6 +143,7 @@ struct powerinfer_batcher_params powerinfer_batcher_default_params(void) {
         .lookahead     = 16,
         .max_gather_ms = 20.0f,
         .restart_within = 0.5f,
+        .prompt_slice_ms = 250.0f,
     };
     return p;
 }
@@ -205,27 +223,42 @@ static int32_t grow_batch(struct powerinfer_batcher * b, int32_t n) {
     return POWERINFER_OK;
 }
 
-// The step's work, under mu: every pending request and every ready run, one-token pieces
-// first (the order of the groups below).
+// Tokens of one prompt a step takes (see the file's header).
+static int32_t chunk_tokens(const struct powerinfer_batcher * b) {
+    int32_t n = b->n_batch;
+    if (b->dense && b->params.prompt_slice_ms > 0.0f && b->prompt_tok_ms > 0.0) {
+        const double fit = b->params.prompt_slice_ms / b->prompt_tok_ms;
+        const int32_t min_chunk = 16;  // below it a step's fixed costs dominate
+        n = fit < (double) n ? (fit > min_chunk ? (int32_t) fit : min_chunk) : n;
+    }
+    return n > 0 ? n : 1;
+}
+
+// The step's work, under mu: every pending request and every ready run (a prompt's next
+// chunk), one-token pieces first (the order of the groups below).
 static int32_t collect(struct powerinfer_batcher * b) {
     int32_t n = 0;
+    const int32_t chunk = chunk_tokens(b);
     for (int pass = 0; pass < 2; ++pass) {
         for (int32_t s = 0; s < b->n_seq; ++s) {
             struct pi_bseq * q = &b->seqs[s];
             struct pi_bitem it = { .seq = s, .sampled = -1, .status = POWERINFER_OK, .err = "" };
             if (q->req_pending) {
+                const int32_t left = q->req_n - q->req_off;
                 it.is_run = false;
-                it.tokens = q->req_tokens;
-                it.n      = q->req_n;
-                it.pos    = q->req_pos;
-                it.n_rows = q->req_all ? q->req_n : 1;
+                it.tokens = q->req_tokens + q->req_off;
+                it.n      = left < chunk ? left : chunk;
+                it.pos    = q->req_pos + q->req_off;
+                const bool last = it.n == left;
+                it.n_rows = q->req_all ? it.n : last ? 1 : 0;
+                it.out    = q->req_out + (size_t) (q->req_all ? q->req_off : 0) * (size_t) b->n_vocab;
             } else if (run_ready(b, q)) {
                 it.is_run = true;
-                it.smpl   = q->smpl;
+                it.smpl   = pi_sampler_retain(q->smpl);  // released after the step: stop() may let go of q's
                 it.tokens = q->in;
-                it.n      = q->n_in;
+                it.n      = q->n_in < chunk ? q->n_in : chunk;
                 it.pos    = q->in_pos;
-                it.n_rows = 1;
+                it.n_rows = it.n == q->n_in ? 1 : 0;
             } else {
                 continue;
             }
@@ -278,21 +311,49 @@ static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * it
                                           .logits = b->b_logits };
         rc = powerinfer_decode_batch(ctx, batch);
         const double dt = pi_time_ms() - t0;
+        // The counters are read under mu (a monitoring read never waits for a step).
+        pthread_mutex_lock(&b->mu);
         if (rc == POWERINFER_ERR_ABORTED) {
             b->stats.n_restarts += 1;
             b->stats.restart_ms += dt;
+            pthread_mutex_unlock(&b->mu);
             return rc;
         }
+        int32_t n_prompt = 0;
+        for (int32_t i = 0; i < n_items; ++i) {
+            if (items[i].status == POWERINFER_OK) {
+                if (items[i].n > 1) {
+                    b->stats.n_prompt_tokens += items[i].n;
+                    b->stats.n_prompt_chunks += 1;
+                    n_prompt += items[i].n;
+                } else {
+                    b->stats.n_gen_tokens += 1;
+                }
+            }
+        }
         b->step_ms = b->step_ms == 0.0 ? dt : 0.8 * b->step_ms + 0.2 * dt;
+        if (rc == POWERINFER_OK && n_prompt >= 16) {
+            // A prompt token's cost grows with its position (attention): follow it closely.
+            const double per_tok = dt / k;
+            b->prompt_tok_ms = b->prompt_tok_ms == 0.0 ? per_tok : 0.5 * b->prompt_tok_ms + 0.5 * per_tok;
+        }
         b->stats.n_steps += 1;
         b->stats.busy_ms += dt;
         if (k > b->stats.max_batch_tokens) b->stats.max_batch_tokens = k;
-        for (int32_t i = 0; i < n_items; ++i) {
-            if (items[i].status == POWERINFER_OK) {
-                if (items[i].n > 1) b->stats.n_prompt_tokens += items[i].n;
-                else b->stats.n_gen_tokens += 1;
+        if (rc == POWERINFER_OK) {
+            b->stats.kv_cells_used = powerinfer_kv_used_cells(ctx);
+            int64_t active = 0, total = 0;
+            for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
+                int64_t a = 0, t = 0;
+                if (powerinfer_sparse_stats(ctx, il, &a, &t) == POWERINFER_OK) {
+                    active += a;
+                    total += t;
+                }
             }
+            b->stats.sparse_active = active;
+            b->stats.sparse_total  = total;
         }
+        pthread_mutex_unlock(&b->mu);
     }
     for (int32_t i = 0; i < n_items; ++i) {
         struct pi_bitem * it = &items[i];
@@ -304,7 +365,9 @@ static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * it
             snprintf(it->err, sizeof(it->err), "%s", powerinfer_last_error());
             continue;
         }
-        struct pi_bseq * q = &b->seqs[it->seq];
+        if (it->n_rows == 0) {
+            continue;  // a prompt's chunk before its last: nothing to copy or sample yet
+        }
         if (it->is_run) {
             // The sampler is the run's until powerinfer_batcher_stop returns, which waits for ctx_mu.
             it->sampled = powerinfer_sampler_sample(it->smpl, ctx, it->row);
@@ -314,7 +377,7 @@ static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * it
             }
         } else {
             const float * src = powerinfer_get_logits_ith(ctx, it->row);
-            memcpy(q->req_out, src, (size_t) it->n_rows * (size_t) b->n_vocab * sizeof(float));
+            memcpy(it->out, src, (size_t) it->n_rows * (size_t) b->n_vocab * sizeof(float));
         }
     }
     return POWERINFER_OK;
@@ -351,6 +414,10 @@ static void publish(struct powerinfer_batcher * b, const struct pi_bitem * items
         if (it->status != POWERINFER_OK) {
             set_err(q, it->err);
         }
+        if (!it->is_run && it->status == POWERINFER_OK && q->req_off + it->n < q->req_n) {
+            q->req_off += it->n;  // more chunks to come: the caller goes on waiting
+            continue;
+        }
         if (!it->is_run) {
             q->req_pending = false;
             q->req_done    = true;
@@ -366,6 +433,12 @@ static void publish(struct powerinfer_batcher * b, const struct pi_bitem * items
             q->end_status = it->status;
             q->n_in       = 0;
             pthread_cond_broadcast(&q->cv);
+            continue;
+        }
+        if (it->n_rows == 0) {  // a chunk of its prompt: the rest goes into the next steps
+            memmove(q->in, q->in + it->n, (size_t) (q->n_in - it->n) * sizeof(*q->in));
+            q->n_in -= it->n;
+            q->in_pos += it->n;
             continue;
         }
         const int32_t lookahead = b->params.lookahead;
@@ -459,6 +532,9 @@ static void * run(void * arg) {
             i = j;
         }
         b->no_restart = interrupted;
+        for (int32_t k = 0; k < n_items; ++k) {
+            powerinfer_sampler_free(b->items[k].smpl);  // the step's references (NULL for requests)
+        }
         pthread_mutex_unlock(&b->ctx_mu);
     }
     // Closing: nothing more will be computed.
@@ -499,6 +575,10 @@ struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * c
         pi_fail(POWERINFER_ERR_INVALID_ARG, "restart_within = %g must be in [0, 1]", params.restart_within);
         return NULL;
     }
+    if (!(params.prompt_slice_ms <= 1e6f)) {  // NaN too
+        pi_fail(POWERINFER_ERR_INVALID_ARG, "prompt_slice_ms = %g must be at most 1e6", params.prompt_slice_ms);
+        return NULL;
+    }
     struct powerinfer_batcher * b = calloc(1, sizeof(*b));
     if (!b) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
@@ -510,6 +590,7 @@ struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * c
     b->n_vocab          = ctx->model->hp.n_vocab;
     b->dense            = ctx->model->hp.sparse_mode == POWERINFER_SPARSE_DENSE;
     b->sparse_max_batch = powerinfer_sparse_max_batch(ctx);
+    b->n_batch          = powerinfer_n_batch(ctx);
     b->seqs             = calloc((size_t) b->n_seq, sizeof(*b->seqs));
     b->items            = calloc((size_t) b->n_seq, sizeof(*b->items));
     bool ok = b->seqs && b->items;
@@ -539,24 +620,31 @@ struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * c
         powerinfer_batcher_free(b);
         return NULL;
     }
-    b->started = true;
+    b->started = b->started_once = true;
+    pi_context_retain(ctx);  // released by powerinfer_batcher_free
     pi_context_set_abort(ctx, abort_requested, b);
     return b;
 }
 
-void powerinfer_batcher_free(struct powerinfer_batcher * b) {
+void powerinfer_batcher_close(struct powerinfer_batcher * b) {
     if (!b) {
         return;
     }
     pthread_mutex_lock(&b->mu);
+    if (b->closed) {
+        pthread_mutex_unlock(&b->mu);
+        return;
+    }
+    const bool first = !b->quit;
     b->quit = true;
     pthread_cond_broadcast(&b->work_cv);
     pthread_mutex_unlock(&b->mu);
-    if (b->started) {
-        pthread_join(b->thread, NULL);
+    if (first && b->started) {
+        pthread_join(b->thread, NULL);  // the step under way ends first: its samplers are free after this
+        b->started = false;
+        pi_context_set_abort(b->ctx, NULL, NULL);
     }
-    pi_context_set_abort(b->ctx, NULL, NULL);
-    // Callers still inside next()/decode() have been woken with an error: let them leave.
+    // Callers still inside a call have been woken with an error: let them leave.
     pthread_mutex_lock(&b->mu);
     for (int32_t s = 0; s < b->n_seq; ++s) {
         pthread_cond_broadcast(&b->seqs[s].cv);
@@ -564,7 +652,19 @@ void powerinfer_batcher_free(struct powerinfer_batcher * b) {
     while (b->n_inside > 0) {
         pthread_cond_wait(&b->left_cv, &b->mu);
     }
+    for (int32_t s = 0; s < b->n_seq; ++s) {
+        powerinfer_sampler_free(b->seqs[s].smpl);  // nothing samples any more
+        b->seqs[s].smpl = NULL;
+    }
+    b->closed = true;
     pthread_mutex_unlock(&b->mu);
+}
+
+void powerinfer_batcher_free(struct powerinfer_batcher * b) {
+    if (!b) {
+        return;
+    }
+    powerinfer_batcher_close(b);
     for (int32_t s = 0; s < b->n_seq; ++s) {
         pthread_cond_destroy(&b->seqs[s].cv);
         free(b->seqs[s].out);
@@ -581,6 +681,9 @@ void powerinfer_batcher_free(struct powerinfer_batcher * b) {
     free(b->b_tok);
     free(b->b_seq);
     free(b->b_logits);
+    if (b->started_once) {
+        powerinfer_context_free(b->ctx);  // the batcher's reference
+    }
     free(b);
 }
 
@@ -615,6 +718,12 @@ static bool busy(const struct pi_bseq * q) {
     return q->req_pending || q->running;
 }
 
+// A caller leaves a call (under mu): the last one out lets a closing batcher go on.
+static void leave(struct powerinfer_batcher * b) {
+    b->n_inside -= 1;
+    if (b->quit) pthread_cond_broadcast(&b->left_cv);
+}
+
 int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, const powerinfer_token * tokens,
                                   int32_t n_tokens, int32_t pos, bool logits_all, float * logits, int32_t n_rows_max) {
     pi_clear_error();
@@ -642,6 +751,7 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     q->req_pos      = pos;
     q->req_all      = logits_all;
     q->req_out      = logits;
+    q->req_off      = 0;
     if (n_tokens > 1) {
         maybe_restart(b);
     }
@@ -650,13 +760,12 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     while (!q->req_done) {
         pthread_cond_wait(&q->cv, &b->mu);
     }
-    b->n_inside -= 1;
     rc = q->req_status;
     q->req_done = false;
     if (rc < 0) {
         pi_fail(rc, "%s", q->err);
     }
-    if (b->quit) pthread_cond_broadcast(&b->left_cv);
+    leave(b);
     pthread_mutex_unlock(&b->mu);
     return rc;
 }
@@ -712,7 +821,8 @@ int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, 
     memcpy(q->in, tokens, (size_t) n_tokens * sizeof(*tokens));
     q->n_in       = n_tokens;
     q->in_pos     = pos;
-    q->smpl       = smpl;
+    powerinfer_sampler_free(q->smpl);  // the last run's, if stop() was not called
+    q->smpl       = pi_sampler_retain(smpl);
     q->n_left     = n_predict > 0 ? n_predict : -1;
     q->pos_limit  = pos_limit;
     q->out_head   = 0;
@@ -740,7 +850,6 @@ int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, int32_t seq, powe
     while (q->n_out == 0 && q->running) {
         pthread_cond_wait(&q->cv, &b->mu);
     }
-    b->n_inside -= 1;
     if (q->n_out > 0) {
         const bool was_full = q->n_out >= b->params.lookahead;
         const int32_t lookahead = b->params.lookahead;
@@ -760,15 +869,21 @@ int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, int32_t seq, powe
             pi_fail(rc, "%s", q->err);
         }
     }
-    if (b->quit) pthread_cond_broadcast(&b->left_cv);
+    leave(b);
     pthread_mutex_unlock(&b->mu);
     return rc;
 }
 
-// ctx_mu for a caller, ahead of the thread's next step (it waits while n_ctx_waiters > 0).
-// The queued edits are applied first, so the caller sees them.
-static void ctx_acquire(struct powerinfer_batcher * b) {
+// ctx_mu for a caller, ahead of the thread's next step (it waits while n_ctx_waiters > 0),
+// counted in n_inside until ctx_release. The queued edits are applied first, so the caller
+// sees them. Fails (nothing held) once the batcher is closing.
+static int32_t ctx_acquire(struct powerinfer_batcher * b, const char * what) {
     pthread_mutex_lock(&b->mu);
+    if (b->quit) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: the batcher was closed", what);
+    }
+    b->n_inside += 1;
     b->n_ctx_waiters += 1;
     pthread_mutex_unlock(&b->mu);
     pthread_mutex_lock(&b->ctx_mu);
@@ -776,6 +891,14 @@ static void ctx_acquire(struct powerinfer_batcher * b) {
     b->n_ctx_waiters -= 1;
     apply_edits(b);
     pthread_cond_broadcast(&b->work_cv);
+    pthread_mutex_unlock(&b->mu);
+    return POWERINFER_OK;
+}
+
+static void ctx_release(struct powerinfer_batcher * b) {
+    pthread_mutex_unlock(&b->ctx_mu);
+    pthread_mutex_lock(&b->mu);
+    leave(b);
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -790,6 +913,10 @@ static int32_t queue_edit(struct powerinfer_batcher * b, int32_t seq, int32_t sr
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: %d positions", what, n);
     }
     pthread_mutex_lock(&b->mu);
+    if (b->quit) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "%s: the batcher was closed", what);
+    }
     if (b->n_edits == b->edits_cap) {
         const int32_t cap = b->edits_cap ? 2 * b->edits_cap : 16;
         struct pi_bedit * e = realloc(b->edits, (size_t) cap * sizeof(*e));
@@ -828,15 +955,19 @@ int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int3
     q->n_in     = 0;
     q->n_out    = 0;
     q->out_head = 0;
+    powerinfer_sampler_free(q->smpl);  // a step that took it holds its own reference
     q->smpl     = NULL;
     pthread_cond_broadcast(&q->cv);
     pthread_mutex_unlock(&b->mu);
     // A step that took the sequence's tokens before the stop ends before ctx_mu is free.
-    ctx_acquire(b);
+    // Closed: the thread has ended, nothing uses the sampler, and the cache is not ours to trim.
+    if ((rc = ctx_acquire(b, "powerinfer_batcher_stop")) != POWERINFER_OK) {
+        return rc;
+    }
     if (n_keep >= 0) {
         rc = powerinfer_kv_seq_rm(b->ctx, seq, n_keep, -1);
     }
-    pthread_mutex_unlock(&b->ctx_mu);
+    ctx_release(b);
     return rc;
 }
 
@@ -853,20 +984,24 @@ int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t s
     return POWERINFER_OK;
 }
 
-void powerinfer_batcher_lock(struct powerinfer_batcher * b) {
-    if (b) ctx_acquire(b);
+int32_t powerinfer_batcher_lock(struct powerinfer_batcher * b) {
+    pi_clear_error();
+    if (!b) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_lock: batcher is NULL");
+    }
+    return ctx_acquire(b, "powerinfer_batcher_lock");
 }
 
 void powerinfer_batcher_unlock(struct powerinfer_batcher * b) {
-    if (b) pthread_mutex_unlock(&b->ctx_mu);
+    if (b) ctx_release(b);
 }
 
 struct powerinfer_batcher_stats powerinfer_batcher_get_stats(struct powerinfer_batcher * b) {
     struct powerinfer_batcher_stats st = { 0 };
     if (b) {
-        ctx_acquire(b);  // the thread updates them while it holds ctx_mu
+        pthread_mutex_lock(&b->mu);  // the thread updates them under mu, between steps' computations
         st = b->stats;
-        pthread_mutex_unlock(&b->ctx_mu);
+        pthread_mutex_unlock(&b->mu);
     }
     return st;
 }

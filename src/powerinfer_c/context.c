@@ -243,7 +243,8 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         return NULL;
     }
-    ctx->model  = model;
+    atomic_init(&ctx->n_refs, 1);
+    ctx->model  = pi_model_retain(model);
     ctx->params = params;
     ctx->graph_buf_size = ggml_tensor_overhead() * PI_GRAPH_MAX_NODES + ggml_graph_overhead_custom(PI_GRAPH_MAX_NODES, false);
     ctx->graph_buf      = malloc(ctx->graph_buf_size);
@@ -281,9 +282,14 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     return ctx;
 }
 
+struct powerinfer_context * pi_context_retain(struct powerinfer_context * ctx) {
+    atomic_fetch_add(&ctx->n_refs, 1);
+    return ctx;
+}
+
 void powerinfer_context_free(struct powerinfer_context * ctx) {
-    if (!ctx) {
-        return;
+    if (!ctx || atomic_fetch_sub(&ctx->n_refs, 1) > 1) {
+        return;  // a batcher still computes on it
     }
     if (ctx->model && (ctx->placed_first || ctx->device_bytes)) {
         pi_placement_release(ctx->model, ctx->placed_first, ctx->device_bytes);
@@ -305,7 +311,9 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     free(ctx->capture.act);
     free(ctx->capture.tx);
     free(ctx->capture.tact);
+    struct powerinfer_model * model = ctx->model;
     free(ctx);
+    powerinfer_model_free(model);
 }
 
 int32_t powerinfer_set_ffn_capture(struct powerinfer_context * ctx, bool enable) {

@@ -543,6 +543,9 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
     }
     const double t0 = pi_time_ms();
     struct powerinfer_model * model = calloc(1, sizeof(*model));
+    if (model) {
+        atomic_init(&model->n_refs, 1);
+    }
     if (!model) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         return NULL;
@@ -576,9 +579,18 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
     return model;
 }
 
+struct powerinfer_model * pi_model_retain(struct powerinfer_model * model) {
+    atomic_fetch_add(&model->n_refs, 1);
+    return model;
+}
+
+struct powerinfer_model * powerinfer_model_retain(struct powerinfer_model * model) {
+    return model ? pi_model_retain(model) : NULL;
+}
+
 void powerinfer_model_free(struct powerinfer_model * model) {
-    if (!model) {
-        return;
+    if (!model || atomic_fetch_sub(&model->n_refs, 1) > 1) {
+        return;  // its contexts and samplers still hold it
     }
     pi_vocab_free(model);
     pi_placement_free(model);

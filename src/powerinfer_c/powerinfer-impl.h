@@ -11,6 +11,7 @@
 #include "sparse_ops.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 
 struct llama_model;
 struct llama_vocab;
@@ -190,7 +191,13 @@ struct pi_mapping {
     uint64_t size;
 };
 
+// Lifetime: the model, a context and a sampler are reference counted. *_free releases the
+// caller's reference; a context holds one on its model, a sampler on its model (the
+// grammar reads its vocabulary), a batcher on its context and on the sampler of each
+// sequence it runs. So no order of frees (a garbage collector's is arbitrary) frees memory
+// still in use.
 struct powerinfer_model {
+    atomic_int           n_refs;
     char *               path;
     enum pi_arch         arch;
     char                 arch_name[64];
@@ -363,6 +370,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
                                     struct pi_graph_inputs * in);
 
 struct powerinfer_context {
+    atomic_int                       n_refs;
     struct powerinfer_model *        model;
     struct powerinfer_context_params params;
     struct pi_kv_cache               kv;
@@ -417,3 +425,8 @@ int32_t pi_context_reserve_outputs(struct powerinfer_context * ctx, int32_t rows
 // returns true: the decode then fails with POWERINFER_ERR_ABORTED and the batch's cells are
 // free again (fn NULL: never).
 void pi_context_set_abort(struct powerinfer_context * ctx, bool (*fn)(void * data), void * data);
+
+// Reference counting (see struct powerinfer_model): retain returns its argument.
+struct powerinfer_model *   pi_model_retain(struct powerinfer_model * model);
+struct powerinfer_context * pi_context_retain(struct powerinfer_context * ctx);
+struct powerinfer_sampler * pi_sampler_retain(struct powerinfer_sampler * smpl);

@@ -1,6 +1,7 @@
 // sampling.c - token selection through libllama's sampler chain, applied to the
 // core's own logits (the chain needs no llama_context for that).
 #include "powerinfer-impl.h"
+#include "sampling_guard.h"
 
 #include "llama.h"
 
@@ -25,6 +26,8 @@ struct pi_penalties {
 };
 
 struct powerinfer_sampler {
+    atomic_int             n_refs;  // see struct powerinfer_model
+    struct powerinfer_model * model; // held: the grammar reads its vocabulary
     struct llama_sampler * chain;
     llama_token_data *     cand;    // n_vocab candidates, reused between calls
     int32_t                n_vocab;
@@ -37,6 +40,7 @@ struct powerinfer_sampler {
     int32_t                special_cap;
     powerinfer_token *     pen_sorted;   // its scratch for the penalized tokens, sorted
     int32_t                pen_sorted_cap;
+    bool                   has_grammar;
     struct powerinfer_sampler_params params;
 };
 
@@ -230,6 +234,8 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         return NULL;
     }
+    atomic_init(&s->n_refs, 1);
+    s->model = pi_model_retain((struct powerinfer_model *) model);
     s->n_vocab = model->hp.n_vocab;
     s->params  = p;
     s->cand    = malloc((size_t) s->n_vocab * sizeof(llama_token_data));
@@ -265,14 +271,16 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
                                                                         (const llama_logit_bias *) p.logit_bias));
     }
     if (p.grammar && *p.grammar) {
-        struct llama_sampler * g = llama_sampler_init_grammar(model->vocab, p.grammar,
-                                                              p.grammar_root ? p.grammar_root : "root");
+        char err[256] = "";
+        struct llama_sampler * g = pi_llama_sampler_init_grammar(model->vocab, p.grammar,
+                                                                 p.grammar_root ? p.grammar_root : "root", err, sizeof(err));
         if (!g) {
-            pi_fail(POWERINFER_ERR_INVALID_ARG, "the grammar could not be parsed (see the log for the position)");
+            pi_fail(POWERINFER_ERR_INVALID_ARG, "%s", err);
             powerinfer_sampler_free(s);
             return NULL;
         }
         llama_sampler_chain_add(s->chain, g);
+        s->has_grammar = true;
     }
     const int32_t last_n = p.penalty_last_n == -1 ? model->hp.n_ctx_train : p.penalty_last_n;
     if (last_n > 0 && (p.penalty_repeat != 1.0f || p.penalty_freq != 0.0f || p.penalty_present != 0.0f)) {
@@ -308,9 +316,14 @@ struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model
     return s;
 }
 
+struct powerinfer_sampler * pi_sampler_retain(struct powerinfer_sampler * s) {
+    atomic_fetch_add(&s->n_refs, 1);
+    return s;
+}
+
 void powerinfer_sampler_free(struct powerinfer_sampler * s) {
-    if (!s) {
-        return;
+    if (!s || atomic_fetch_sub(&s->n_refs, 1) > 1) {
+        return;  // a batcher's run still samples with it
     }
     if (s->chain) {
         llama_sampler_free(s->chain);
@@ -319,7 +332,9 @@ void powerinfer_sampler_free(struct powerinfer_sampler * s) {
     free(s->bias);
     free(s->special);
     free(s->pen_sorted);
+    struct powerinfer_model * model = s->model;
     free(s);
+    powerinfer_model_free(model);
 }
 
 static int cmp_token_asc(const void * a, const void * b) {
@@ -361,7 +376,9 @@ static int32_t greedy_pick(struct powerinfer_sampler * s, const float * logits, 
     if (n_pen > 0) {
         memcpy(penalized, pen->distinct, (size_t) n_pen * sizeof(*penalized));
     }
-    qsort(penalized, (size_t) n_pen, sizeof(penalized[0]), cmp_token_asc);
+    if (n_pen > 1) {  // qsort's array must not be NULL, even for no elements (C11 7.22.5)
+        qsort(penalized, (size_t) n_pen, sizeof(penalized[0]), cmp_token_asc);
+    }
     // The special tokens' values, ascending by token, in s->special (token, value).
     int32_t n_special = 0;
     int32_t ib = 0, ip = 0;
@@ -418,12 +435,34 @@ powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * s,
         s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };
     }
     llama_token_data_array arr = { .data = s->cand, .size = (size_t) n_vocab, .selected = -1, .sorted = false };
-    llama_sampler_apply(s->chain, &arr);
+    char err[256] = "";
+    if (!pi_llama_sampler_apply(s->chain, &arr, err, sizeof(err))) {
+        pi_fail(POWERINFER_ERR_INTERNAL, "the sampler chain failed: %s", err);
+        return -1;
+    }
     if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
         pi_fail(POWERINFER_ERR_INTERNAL, "the sampler chain selected no token");
         return -1;
     }
+    // Every candidate excluded (-inf), yet the chain's last sampler picks one: accepting it
+    // would make the grammar throw. The request asked for the impossible: say so.
+    if (arr.data[arr.selected].logit == -INFINITY) {
+        pi_fail(POWERINFER_ERR_INVALID_ARG, s->has_grammar
+                ? "the grammar allows no token here: no token of the vocabulary can continue it"
+                : "every token has a logit of -inf: nothing can be sampled");
+        return -1;
+    }
     return arr.data[arr.selected].id;
+}
+
+// llama_sampler_accept, its exceptions caught (the grammar's when it cannot take the token).
+static int32_t accept_token(struct powerinfer_sampler * s, powerinfer_token token) {
+    char err[256] = "";
+    if (!pi_llama_sampler_accept(s->chain, token, err, sizeof(err))) {
+        return pi_fail(s->has_grammar ? POWERINFER_ERR_INVALID_ARG : POWERINFER_ERR_INTERNAL,
+                       "token %d cannot be accepted: %s", token, err);
+    }
+    return POWERINFER_OK;
 }
 
 powerinfer_token powerinfer_sampler_sample(struct powerinfer_sampler * s, struct powerinfer_context * ctx, int32_t i) {
@@ -433,16 +472,18 @@ powerinfer_token powerinfer_sampler_sample(struct powerinfer_sampler * s, struct
         return -1;
     }
     powerinfer_token tok = powerinfer_sampler_sample_logits(s, logits, ctx->model->hp.n_vocab);
-    if (tok >= 0) {
-        llama_sampler_accept(s->chain, tok);
+    if (tok >= 0 && accept_token(s, tok) != POWERINFER_OK) {
+        return -1;
     }
     return tok;
 }
 
-void powerinfer_sampler_accept(struct powerinfer_sampler * s, powerinfer_token token) {
-    if (s && token >= 0 && token < s->n_vocab) {
-        llama_sampler_accept(s->chain, token);
+int32_t powerinfer_sampler_accept(struct powerinfer_sampler * s, powerinfer_token token) {
+    if (!s || token < 0 || token >= s->n_vocab) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_accept: token %d is outside the vocabulary [0, %d)",
+                       token, s ? s->n_vocab : 0);
     }
+    return accept_token(s, token);
 }
 
 void powerinfer_sampler_reset(struct powerinfer_sampler * s) {

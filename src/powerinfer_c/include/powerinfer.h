@@ -162,6 +162,10 @@ struct powerinfer_batcher_params {
     float   restart_within; // a new request (a run's start, a decode of several tokens) that finds a step under way
                             // for less than this share of the average step's time interrupts it, and the step is
                             // computed again with the request in it (once per step; 0: never). Dense models only.
+    float   prompt_slice_ms;// a prompt is computed in chunks, one per step, between the other sequences' decode
+                            // steps: a dense model's chunk takes about this long (measured tokens per ms), at most
+                            // n_batch tokens; a sparse model's chunks are n_batch tokens (a lone decode's ubatches,
+                            // so it takes the FFN path it takes alone). <= 0: n_batch tokens.
 };
 
 struct powerinfer_batcher_stats {
@@ -172,6 +176,10 @@ struct powerinfer_batcher_stats {
     double  busy_ms;          // time spent computing steps
     int64_t n_restarts;       // steps interrupted for a new request and computed again (restart_within)
     double  restart_ms;       // time the interrupted steps had computed, thrown away
+    int64_t n_prompt_chunks;  // chunks of prompts computed (a prompt longer than a chunk takes several steps)
+    int32_t kv_cells_used;    // KV cells in use after the last step (shared cells count once)
+    int64_t sparse_active;    // FFN neurons the sparse steps computed, all layers (powerinfer_sparse_stats summed)
+    int64_t sparse_total;     // FFN neurons those steps considered
 };
 
 struct powerinfer_timings {
@@ -196,6 +204,11 @@ POWERINFER_API const char * powerinfer_system_info(void);
 POWERINFER_API struct powerinfer_model_params powerinfer_model_default_params(void);
 // Loads a GGUF model; NULL on error. Weights are mmapped, not copied.
 POWERINFER_API struct powerinfer_model * powerinfer_model_load(const char * path, struct powerinfer_model_params params);
+// Models, contexts and samplers are reference counted: *_free releases the caller's
+// reference. A context and a sampler hold their model, a batcher its context and the
+// sampler of each sequence it runs, so no order of frees frees memory still in use.
+// A second owner of the same model (returns model): free it once more.
+POWERINFER_API struct powerinfer_model * powerinfer_model_retain(struct powerinfer_model * model);
 POWERINFER_API void powerinfer_model_free(struct powerinfer_model * model);
 
 POWERINFER_API const char * powerinfer_model_arch(const struct powerinfer_model * model);
@@ -316,8 +329,13 @@ POWERINFER_API int32_t powerinfer_release_threads(void);
 // powerinfer_batcher_unlock.
 POWERINFER_API struct powerinfer_batcher_params powerinfer_batcher_default_params(void);
 POWERINFER_API struct powerinfer_batcher * powerinfer_batcher_new(struct powerinfer_context * ctx, struct powerinfer_batcher_params params);
-// Stops the thread; calls waiting in the batcher return POWERINFER_ERR_INVALID_ARG ("closed").
-// The context is not freed.
+// Stops the batcher: the step under way ends, the thread is joined (nothing uses a sequence's
+// sampler or the context after it returns), calls waiting in the batcher return
+// POWERINFER_ERR_INVALID_ARG ("closed") and it waits for them to leave. Every later call but
+// powerinfer_batcher_free fails the same way. Idempotent; the context is not freed, and
+// must outlive the batcher's close.
+POWERINFER_API void powerinfer_batcher_close(struct powerinfer_batcher * b);
+// Closes the batcher (if not closed) and frees it. No call may be in progress or follow.
 POWERINFER_API void powerinfer_batcher_free(struct powerinfer_batcher * b);
 // Computes n_tokens tokens of sequence seq at positions pos, pos+1, ... (its cells from pos
 // on are overwritten; pos must not be past its cached positions) in the next step and waits
@@ -354,8 +372,11 @@ POWERINFER_API int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher
 POWERINFER_API int32_t powerinfer_batcher_kv_keep(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep);
 POWERINFER_API int32_t powerinfer_batcher_kv_share(struct powerinfer_batcher * b, int32_t dst, int32_t src, int32_t n);
 // Exclusive use of the context between two steps (queued edits applied).
-POWERINFER_API void powerinfer_batcher_lock(struct powerinfer_batcher * b);
+// POWERINFER_OK with the context locked (between two steps, queued edits applied), or an
+// error (closed) without it.
+POWERINFER_API int32_t powerinfer_batcher_lock(struct powerinfer_batcher * b);
 POWERINFER_API void powerinfer_batcher_unlock(struct powerinfer_batcher * b);
+// The counters, as of the last step: never waits for a step (a monitoring read).
 POWERINFER_API struct powerinfer_batcher_stats powerinfer_batcher_get_stats(struct powerinfer_batcher * b);
 
 // Context state (cached positions, their keys/values, the last logits) as bytes.
@@ -413,12 +434,14 @@ POWERINFER_API struct powerinfer_sampler_params powerinfer_sampler_default_param
 POWERINFER_API struct powerinfer_sampler * powerinfer_sampler_new(const struct powerinfer_model * model, struct powerinfer_sampler_params params);
 POWERINFER_API void powerinfer_sampler_free(struct powerinfer_sampler * smpl);
 // Samples from logits row i of the last decode (-1: last row) and records the token
-// for the penalties. Returns the token, or -1 on error.
+// for the penalties and the grammar. Returns the token, or -1 on error: INVALID_ARG when
+// nothing can be sampled (the grammar allows no token here, every logit is -inf).
 POWERINFER_API powerinfer_token powerinfer_sampler_sample(struct powerinfer_sampler * smpl, struct powerinfer_context * ctx, int32_t i);
 // Samples from caller-provided logits (n_vocab floats); does not record the token.
 POWERINFER_API powerinfer_token powerinfer_sampler_sample_logits(struct powerinfer_sampler * smpl, const float * logits, int32_t n_vocab);
-// Records a token (prompt or generated) in the penalty history.
-POWERINFER_API void powerinfer_sampler_accept(struct powerinfer_sampler * smpl, powerinfer_token token);
+// Records a token (prompt or generated) in the penalty history and the grammar's state.
+// INVALID_ARG for a token outside the vocabulary or one the grammar cannot take.
+POWERINFER_API int32_t powerinfer_sampler_accept(struct powerinfer_sampler * smpl, powerinfer_token token);
 POWERINFER_API void powerinfer_sampler_reset(struct powerinfer_sampler * smpl);
 
 // POWERINFER_CDEF_END
