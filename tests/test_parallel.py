@@ -162,6 +162,23 @@ def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invarian
     assert np.abs(step_far - step_alone).max() < 0.1 * np.abs(step_alone).max()
 
 
+def test_a_prompt_in_one_batch_equals_its_tokens_one_by_one(smol_model, smol_llama):
+    """Batch-invariant attention computes the tokens of a prompt chunk in tiles that share
+    each block of K and V rows: each token's logits still equal those it gets alone, bit for
+    bit, whatever the tile (lengths around the tile of 8, a chunk after cached positions)."""
+    t = smol_llama.tokenize(b"The quick brown fox jumps over the lazy dog. " * 4)[:37]
+    with _ctx(smol_model, n_seq=2) as c:
+        one_by_one = []
+        for i, tok in enumerate(t):
+            c.decode_batch([tok], [0], [True])
+            one_by_one.append(c.logits().copy())
+        c.decode_batch(t[:5], [1] * 5, [True] * 5)  # then the rest after 5 cached positions
+        rows = [c.logits(0, 5).copy()]
+        c.decode_batch(t[5:], [1] * (len(t) - 5), [True] * (len(t) - 5))
+        rows.append(c.logits(0, len(t) - 5).copy())
+    np.testing.assert_array_equal(np.concatenate(rows), np.stack(one_by_one))
+
+
 @pytest.mark.parametrize("pack_dense", [False, True])
 def test_unrepacked_k_quants_batch_bit_for_bit(qwen_path, pack_dense):
     """Qwen2.5's Q4_K weights: ggml repacks them for a 4-column GEMM whose rounding differs from

@@ -12,6 +12,7 @@
 #include "powerinfer-impl.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -179,6 +180,23 @@ static void softmax(float * s, int32_t n) {
     }
 }
 
+// Tiles: up to PI_ATTN_TILE consecutive tokens whose cell lists each extend the one before
+// (a sequence's tokens in position order: a prompt chunk, or a verified draft) share every
+// block of K and V rows, read and turned into fp32 once for the tile instead of once per
+// token. Each token's scores and sums are the very operations it gets alone (a cell's score
+// and a block's mix do not depend on the other cells of the block), so its result is too.
+#define PI_ATTN_TILE 8
+
+static const int32_t * cell_list(const struct ggml_tensor * cells, int64_t t) {
+    return (const int32_t *) ((const char *) cells->data + t * cells->nb[1]);
+}
+
+// Whether token t + 1's cells are token t's and more, in the same order.
+static bool extends(const struct ggml_tensor * cells, int64_t t) {
+    const int32_t * a = cell_list(cells, t), * b = cell_list(cells, t + 1);
+    return a[0] > 0 && b[0] >= a[0] && memcmp(a + 1, b + 1, sizeof(int32_t) * (size_t) a[0]) == 0;
+}
+
 // dst: F32 [d, n_head, n_tokens]; src: q [d, n_head, n_tokens] (any strides, rows of
 // fp32), the K and V caches [n_kv_embd, size] f16, the cell lists I32 [1 + n_kv, n_tokens];
 // userdata: the score scale's float bits.
@@ -189,19 +207,31 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const uint32_t bits = (uint32_t) (uintptr_t) userdata;
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
-    // Per thread: one block of rows as fp32 and the group's scores over the cells.
+    // Per thread: one block of rows as fp32, a tile's scores over its cells, and the tiles
+    // (every thread finds the same ones).
     const int64_t dv = (d + 15) / 16 * 16, n_pad = (n_kv + 15) / 16 * 16;
-    float * buf = malloc(sizeof(float) * (size_t) (PI_ATTN_BLOCK * dv + group * n_pad));
-    GGML_ASSERT(buf);
+    float * buf = malloc(sizeof(float) * (size_t) (PI_ATTN_BLOCK * dv + PI_ATTN_TILE * group * n_pad));
+    int32_t * tile = malloc(sizeof(int32_t) * (size_t) (n_tokens + 1));  // first token of each tile
+    GGML_ASSERT(buf && tile);
     float * sc = buf + PI_ATTN_BLOCK * dv;
-    for (int64_t w = ith; w < n_tokens * n_head_kv; w += nth) {
-        const int64_t t = w / n_head_kv, g = w % n_head_kv;
-        const int32_t * list = (const int32_t *) ((const char *) cells->data + t * cells->nb[1]);
-        const int32_t n = list[0];
-        const int32_t * cl = list + 1;
-        const char * qt = (const char *) q->data + t * q->nb[2] + g * group * q->nb[1];  // the group's first query
-        float * out = (float *) ((char *) dst->data + t * dst->nb[2]) + g * group * d;
-        memset(out, 0, sizeof(float) * (size_t) (group * d));
+    int64_t n_tiles = 0;
+    for (int64_t t = 0; t < n_tokens;) {
+        tile[n_tiles++] = (int32_t) t;
+        int64_t len = 1;
+        while (t + len < n_tokens && len < PI_ATTN_TILE && extends(cells, t + len - 1)) {
+            ++len;
+        }
+        t += len;
+    }
+    tile[n_tiles] = (int32_t) n_tokens;
+    for (int64_t w = ith; w < n_tiles * n_head_kv; w += nth) {
+        const int64_t t0 = tile[w / n_head_kv], nt = tile[w / n_head_kv + 1] - t0, g = w % n_head_kv;
+        const int32_t * longest = cell_list(cells, t0 + nt - 1);  // each token's cells are a prefix of it
+        const int32_t   n = longest[0];
+        const int32_t * cl = longest + 1;
+        for (int64_t j = 0; j < nt; ++j) {
+            memset((float *) ((char *) dst->data + (t0 + j) * dst->nb[2]) + g * group * d, 0, sizeof(float) * (size_t) (group * d));
+        }
         if (n <= 0) {
             continue;  // no cell to attend (cannot happen for a decoded token: it sees itself)
         }
@@ -210,22 +240,34 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
             const int32_t nb = n - i0 < PI_ATTN_BLOCK ? n - i0 : PI_ATTN_BLOCK;
             prefetch_stream(kc, vc, cl, n, i0 + PI_ATTN_PREFETCH, nb, g, d);
             load_block(kc, cl + i0, nb, g, d, dv, buf);
-            for (int64_t j = 0; j < group; ++j) {
-                block_scores((const float *) (qt + j * q->nb[1]), buf, nb, d, dv, scale, sc + j * n_pad + i0);
+            for (int64_t j = 0; j < nt; ++j) {
+                const int32_t nj = cell_list(cells, t0 + j)[0] - i0;  // the token's cells in this block
+                const char * qt = (const char *) q->data + (t0 + j) * q->nb[2] + g * group * q->nb[1];
+                for (int64_t h = 0; nj > 0 && h < group; ++h) {
+                    block_scores((const float *) (qt + h * q->nb[1]), buf, nj < nb ? nj : nb, d, dv, scale,
+                                 sc + (j * group + h) * n_pad + i0);
+                }
             }
         }
-        for (int64_t j = 0; j < group; ++j) {
-            softmax(sc + j * n_pad, n);
+        for (int64_t j = 0; j < nt; ++j) {
+            for (int64_t h = 0; h < group; ++h) {
+                softmax(sc + (j * group + h) * n_pad, cell_list(cells, t0 + j)[0]);
+            }
         }
         for (int32_t i0 = 0; i0 < n; i0 += PI_ATTN_BLOCK) {
             const int32_t nb = n - i0 < PI_ATTN_BLOCK ? n - i0 : PI_ATTN_BLOCK;
             prefetch_stream(kc, vc, cl, n, n + i0 + PI_ATTN_PREFETCH, nb, g, d);
             load_block(vc, cl + i0, nb, g, d, dv, buf);
-            for (int64_t j = 0; j < group; ++j) {
-                block_mix(out + j * d, sc + j * n_pad + i0, buf, nb, d, dv);
+            for (int64_t j = 0; j < nt; ++j) {
+                const int32_t nj = cell_list(cells, t0 + j)[0] - i0;
+                float * out = (float *) ((char *) dst->data + (t0 + j) * dst->nb[2]) + g * group * d;
+                for (int64_t h = 0; nj > 0 && h < group; ++h) {
+                    block_mix(out + h * d, sc + (j * group + h) * n_pad + i0, buf, nj < nb ? nj : nb, d, dv);
+                }
             }
         }
     }
+    free(tile);
     free(buf);
 }
 
