@@ -447,6 +447,7 @@ class ParallelLlama:
             "prompt_chunks": st["n_prompt_chunks"],  # pieces of prompts, one per step (prompt_slice_ms)
             "batch_tokens_max": st["max_batch_tokens"],
             "busy_seconds": st["busy_ms"] / 1000.0,  # time spent computing
+            "step_seconds_max": st["max_step_ms"] / 1000.0,  # the longest step
             "steps_restarted": st["n_restarts"],  # steps interrupted for a new request (restart_within)
             "restart_seconds": st["restart_ms"] / 1000.0,  # what those steps had computed, thrown away
             "kv_cells_used": st["kv_cells_used"],  # after the last step

@@ -200,6 +200,7 @@ class _SlotEngine:
             "prompt_tokens_cached_total": st["prompt_tokens_reused"],
             "decode_steps_total": st["steps"],
             "busy_seconds_total": st["busy_seconds"],
+            "step_seconds_max": st["step_seconds_max"],
             "decode_steps_restarted_total": st["steps_restarted"],
             "restart_seconds_total": st["restart_seconds"],
             "tokens_per_second": (st["tokens_generated"] + st["tokens_prompt"]) / st["busy_seconds"]

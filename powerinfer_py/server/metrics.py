@@ -18,6 +18,7 @@ _ENGINE_METRICS: Dict[str, Tuple[str, str]] = {
     "prompt_tokens_cached_total": ("counter", "Prompt tokens taken from the prompt cache"),
     "decode_steps_total": ("counter", "Batches computed"),
     "busy_seconds_total": ("counter", "Seconds spent computing"),
+    "step_seconds_max": ("gauge", "The longest batch computed, in seconds"),
     "decode_steps_restarted_total": ("counter", "Batches interrupted to take in a new request, then computed again"),
     "restart_seconds_total": ("counter", "Seconds of interrupted batches, thrown away"),
     "tokens_per_second": ("gauge", "Tokens computed per busy second"),

@@ -37,6 +37,7 @@
 #include "powerinfer-impl.h"
 
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -72,6 +73,11 @@ struct pi_bseq {
     powerinfer_token *          out;       // sampled, not yet handed over: a ring of `lookahead` tokens
     int32_t                     out_head, n_out;
     int32_t                     end_status;  // why the run ended: POWERINFER_OK or a negative status
+
+    // The chunks of its prompt computed so far: the first's and the last's middle position
+    // and time per token of their steps (a prompt token's cost grows with its position).
+    int32_t n_chunks, chunk_last;  // chunks measured, the last one's tokens
+    double  chunk_pos[2], chunk_ms[2];
 
     char err[PI_BATCHER_ERR_LEN];  // the message of a failed request or run
 };
@@ -122,7 +128,6 @@ struct powerinfer_batcher {
     struct pi_bedit * edits;   // queued, applied in order under ctx_mu before the next step's decodes
     int32_t          n_edits, edits_cap;
     double           step_ms;  // moving average of a step's compute time
-    double           prompt_tok_ms; // moving average of a prompt token's share of a step's time
     // The group under way (under mu), for restarts; abort is read by ggml's abort callback.
     bool             restartable;  // one computes, and a new request may still interrupt it
     double           restart_until; // until when (pi_time_ms)
@@ -223,12 +228,27 @@ static int32_t grow_batch(struct powerinfer_batcher * b, int32_t n) {
     return POWERINFER_OK;
 }
 
-// Tokens of one prompt a step takes (see the file's header).
-static int32_t chunk_tokens(const struct powerinfer_batcher * b) {
+// Tokens of q's prompt its next step takes, starting at position pos (see the file's header).
+// A dense model's chunk is sized to prompt_slice_ms: a token's time is modelled as linear in
+// its position (attention reads every cell before it), c(p) = c1 + slope (p - p1), from the
+// first and the last chunk measured; n tokens from pos then take n c(pos + n/2). The first
+// chunk is small: it measures; each next one is at most 4 times the last, so the slope is
+// measured before the model's guesses matter.
+static int32_t chunk_tokens(const struct powerinfer_batcher * b, const struct pi_bseq * q, int32_t pos) {
+    const int32_t min_chunk = 16;  // below it a step's fixed costs dominate
     int32_t n = b->n_batch;
-    if (b->dense && b->params.prompt_slice_ms > 0.0f && b->prompt_tok_ms > 0.0) {
-        const double fit = b->params.prompt_slice_ms / b->prompt_tok_ms;
-        const int32_t min_chunk = 16;  // below it a step's fixed costs dominate
+    if (b->dense && b->params.prompt_slice_ms > 0.0f) {
+        double fit = min_chunk;
+        if (q->n_chunks > 0) {
+            const double p1 = q->chunk_pos[1], c1 = q->chunk_ms[1];
+            const double dp = p1 - q->chunk_pos[0];
+            const double slope = q->n_chunks > 1 && dp > 0.0 && c1 > q->chunk_ms[0] ? (c1 - q->chunk_ms[0]) / dp : 0.0;
+            const double base = c1 + slope * (pos - p1);  // c at the chunk's first position
+            const double slice = b->params.prompt_slice_ms;
+            // n (base + slope n / 2) = slice
+            fit = slope > 0.0 ? (sqrt(base * base + 2.0 * slope * slice) - base) / slope : slice / base;
+            fit = fit < 4.0 * q->chunk_last ? fit : 4.0 * q->chunk_last;
+        }
         n = fit < (double) n ? (fit > min_chunk ? (int32_t) fit : min_chunk) : n;
     }
     return n > 0 ? n : 1;
@@ -238,13 +258,13 @@ static int32_t chunk_tokens(const struct powerinfer_batcher * b) {
 // chunk), one-token pieces first (the order of the groups below).
 static int32_t collect(struct powerinfer_batcher * b) {
     int32_t n = 0;
-    const int32_t chunk = chunk_tokens(b);
     for (int pass = 0; pass < 2; ++pass) {
         for (int32_t s = 0; s < b->n_seq; ++s) {
             struct pi_bseq * q = &b->seqs[s];
             struct pi_bitem it = { .seq = s, .sampled = -1, .status = POWERINFER_OK, .err = "" };
             if (q->req_pending) {
                 const int32_t left = q->req_n - q->req_off;
+                const int32_t chunk = chunk_tokens(b, q, q->req_pos + q->req_off);
                 it.is_run = false;
                 it.tokens = q->req_tokens + q->req_off;
                 it.n      = left < chunk ? left : chunk;
@@ -253,6 +273,7 @@ static int32_t collect(struct powerinfer_batcher * b) {
                 it.n_rows = q->req_all ? it.n : last ? 1 : 0;
                 it.out    = q->req_out + (size_t) (q->req_all ? q->req_off : 0) * (size_t) b->n_vocab;
             } else if (run_ready(b, q)) {
+                const int32_t chunk = q->n_in > 1 ? chunk_tokens(b, q, q->in_pos) : 1;
                 it.is_run = true;
                 it.smpl   = pi_sampler_retain(q->smpl);  // released after the step: stop() may let go of q's
                 it.tokens = q->in;
@@ -319,26 +340,31 @@ static int32_t compute_group(struct powerinfer_batcher * b, struct pi_bitem * it
             pthread_mutex_unlock(&b->mu);
             return rc;
         }
-        int32_t n_prompt = 0;
         for (int32_t i = 0; i < n_items; ++i) {
-            if (items[i].status == POWERINFER_OK) {
-                if (items[i].n > 1) {
-                    b->stats.n_prompt_tokens += items[i].n;
-                    b->stats.n_prompt_chunks += 1;
-                    n_prompt += items[i].n;
-                } else {
-                    b->stats.n_gen_tokens += 1;
+            if (items[i].status != POWERINFER_OK) {
+                continue;
+            }
+            if (items[i].n == 1) {
+                b->stats.n_gen_tokens += 1;
+                continue;
+            }
+            b->stats.n_prompt_tokens += items[i].n;
+            b->stats.n_prompt_chunks += 1;
+            if (rc == POWERINFER_OK) {  // what the next chunk of this prompt is sized by
+                struct pi_bseq * q = &b->seqs[items[i].seq];
+                q->chunk_pos[1] = items[i].pos + 0.5 * items[i].n;
+                q->chunk_ms[1]  = dt / k;
+                q->chunk_last   = items[i].n;
+                if (q->n_chunks++ == 0) {  // the first is also the last
+                    q->chunk_pos[0] = q->chunk_pos[1];
+                    q->chunk_ms[0]  = q->chunk_ms[1];
                 }
             }
         }
         b->step_ms = b->step_ms == 0.0 ? dt : 0.8 * b->step_ms + 0.2 * dt;
-        if (rc == POWERINFER_OK && n_prompt >= 16) {
-            // A prompt token's cost grows with its position (attention): follow it closely.
-            const double per_tok = dt / k;
-            b->prompt_tok_ms = b->prompt_tok_ms == 0.0 ? per_tok : 0.5 * b->prompt_tok_ms + 0.5 * per_tok;
-        }
         b->stats.n_steps += 1;
         b->stats.busy_ms += dt;
+        b->stats.max_step_ms = dt > b->stats.max_step_ms ? dt : b->stats.max_step_ms;
         if (k > b->stats.max_batch_tokens) b->stats.max_batch_tokens = k;
         if (rc == POWERINFER_OK) {
             b->stats.kv_cells_used = powerinfer_kv_used_cells(ctx);
@@ -752,6 +778,7 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
     q->req_all      = logits_all;
     q->req_out      = logits;
     q->req_off      = 0;
+    q->n_chunks     = 0;
     if (n_tokens > 1) {
         maybe_restart(b);
     }
@@ -821,6 +848,7 @@ int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, 
     memcpy(q->in, tokens, (size_t) n_tokens * sizeof(*tokens));
     q->n_in       = n_tokens;
     q->in_pos     = pos;
+    q->n_chunks   = 0;
     powerinfer_sampler_free(q->smpl);  // the last run's, if stop() was not called
     q->smpl       = pi_sampler_retain(smpl);
     q->n_left     = n_predict > 0 ? n_predict : -1;

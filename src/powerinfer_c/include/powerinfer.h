@@ -177,6 +177,7 @@ struct powerinfer_batcher_stats {
     int64_t n_restarts;       // steps interrupted for a new request and computed again (restart_within)
     double  restart_ms;       // time the interrupted steps had computed, thrown away
     int64_t n_prompt_chunks;  // chunks of prompts computed (a prompt longer than a chunk takes several steps)
+    double  max_step_ms;      // the longest step computed
     int32_t kv_cells_used;    // KV cells in use after the last step (shared cells count once)
     int64_t sparse_active;    // FFN neurons the sparse steps computed, all layers (powerinfer_sparse_stats summed)
     int64_t sparse_total;     // FFN neurons those steps considered
