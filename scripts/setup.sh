@@ -20,6 +20,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
 LLAMA_VERSION=0.3.36
+# sha256 of its sdist (also in powerinfer_py/assets/models.py, which fetches the same file).
+LLAMA_SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 CACHE=${POWERINFER_CACHE:-$HOME/.cache/powerinfer-py}
 VENV=$ROOT/.venv
 VPY=$VENV/bin/python
@@ -82,8 +84,10 @@ else
     LLAMA_CFLAGS=""  # the -mno-amx-* options exist only on x86
 fi
 LLAMA_CMAKE_ARGS=${CMAKE_ARGS:--DGGML_RPC=on}
-LLAMA_KEY=$(printf 'llama-cpp-python==%s\nCFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' \
-    "$LLAMA_VERSION" "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
+# Our patches of the sdist's sources (vendor/ggml/patches/, each says why), part of the key.
+PATCHES=("$ROOT"/vendor/ggml/patches/*.patch)
+LLAMA_KEY=$( { printf 'llama-cpp-python==%s\nCFLAGS=%s\nCXXFLAGS=%s\nCMAKE_ARGS=%s\n' \
+    "$LLAMA_VERSION" "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS"; cat "${PATCHES[@]}"; } | sha256sum | cut -c1-12)
 WHEEL_DIR=$CACHE/wheels-llama-$LLAMA_KEY
 phase "llama-cpp-python $LLAMA_VERSION wheel: $WHEEL_DIR"
 note "CFLAGS=CXXFLAGS='$LLAMA_CFLAGS' CMAKE_ARGS='$LLAMA_CMAKE_ARGS'"
@@ -108,9 +112,29 @@ if [ -z "$WHEEL" ]; then
     note "building from source; the first build takes ~10 minutes (2 cores), later runs reuse it"
     tmp=$(mktemp -d "$WHEEL_DIR/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
+    # The sdist (sha256-checked, cached beside the models), our patches applied.
+    SDIST_DIR=$CACHE/sdist
+    SDIST=$SDIST_DIR/llama_cpp_python-$LLAMA_VERSION.tar.gz
+    if ! printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status 2>/dev/null; then
+        mkdir -p "$SDIST_DIR"
+        "${PIP[@]}" download --no-deps --no-binary :all: -d "$SDIST_DIR" "llama-cpp-python==$LLAMA_VERSION"
+        printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status || {
+            echo "error: $SDIST does not have the sha256 $LLAMA_SDIST_SHA256; delete it and run again" >&2; exit 1; }
+    fi
+    tar -xzf "$SDIST" -C "$tmp"
+    if ! command -v patch >/dev/null; then
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq && apt-get install -y -qq patch
+        else
+            echo "error: 'patch' is needed to build llama-cpp-python with our patches; install it" >&2; exit 1
+        fi
+    fi
+    for p in "${PATCHES[@]}"; do
+        note "patch: $(basename "$p")"
+        patch -d "$tmp/llama_cpp_python-$LLAMA_VERSION" -p1 --forward --quiet <"$p"
+    done
     CFLAGS="$LLAMA_CFLAGS" CXXFLAGS="$LLAMA_CFLAGS" CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
-        "${PIP[@]}" wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
-        -w "$tmp" "llama-cpp-python==$LLAMA_VERSION" 2>&1 | tee "$WHEEL_DIR/build.log"
+        "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$tmp" "$tmp/llama_cpp_python-$LLAMA_VERSION" 2>&1 | tee "$WHEEL_DIR/build.log"
     built=$(find_llama_wheel "$tmp") || { echo "error: the build produced no wheel in $tmp" >&2; exit 1; }
     mv "$built" "$WHEEL_DIR/"
     WHEEL=$WHEEL_DIR/$(basename "$built")
