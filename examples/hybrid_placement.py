@@ -13,14 +13,12 @@ only its dense parts are placed). BUDGET_GIB defaults to 0.5.
 import os
 import sys
 
-import llama_cpp
-
-from powerinfer_py import Llama
+from powerinfer_py import Llama, gpu_count
 from powerinfer_py.assets.models import model_path
 
 model = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("POWERINFER_MODEL") or model_path()
 budget_gib = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
-has_gpu = bool(llama_cpp.llama_supports_gpu_offload())
+has_gpu = gpu_count() > 0  # a GPU in the installed ggml (CUDA, ROCm, Vulkan, Metal builds)
 
 with Llama(model_path=model, n_ctx=512, n_threads=2, verbose=False,
            vram_budget=budget_gib, emulate_device=not has_gpu) as llm:

@@ -25,6 +25,7 @@ __all__ = [
     "LogitsProcessorList",
     "StoppingCriteriaList",
     "PowerInferError",
+    "gpu_count",
     "install_as_llama_cpp",
     "llama_types",
     "llama_chat_format",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from llama_cpp.llama_grammar import LlamaGrammar
 
     from . import llama_cache, llama_chat_format, llama_grammar, llama_types
+    from ._core.devices import gpu_count
     from ._core.errors import PowerInferError
     from .llama import Llama, install_as_llama_cpp
     from .parallel import ParallelLlama
@@ -69,6 +71,10 @@ def __getattr__(name: str):
         from ._core.errors import PowerInferError
 
         return PowerInferError
+    if name == "gpu_count":
+        from ._core.devices import gpu_count
+
+        return gpu_count
     if name == "uninstall_llama_cpp":
         from ._llama.aliases import uninstall_llama_cpp
 

@@ -13,8 +13,10 @@ loads libpowerinfer.
 
 from .batcher import Batcher
 from .context import Context, release_threads
+from .devices import gpu_count
 from .errors import PowerInferError, core_error
 from .model import SPARSE_MODES, Model
 from .sampler import CancelCheck, LogitBias, Sampler
 
-__all__ = ["Batcher", "CancelCheck", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "release_threads"]
+__all__ = ["Batcher", "CancelCheck", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "gpu_count",
+           "release_threads"]

@@ -62,9 +62,10 @@ def gpu_layers_for(path: str, budget: int) -> int:
 
 
 def has_gpu_backend() -> bool:
-    import llama_cpp
+    # Not llama_cpp.llama_supports_gpu_offload(): true for any build with the RPC backend.
+    from .._core import gpu_count
 
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    return gpu_count() > 0
 
 
 # ---- child -------------------------------------------------------------------------------

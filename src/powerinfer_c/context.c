@@ -93,19 +93,21 @@ static int32_t reserve_compute(struct powerinfer_context * ctx) {
                        ctx->params.n_batch, ctx->kv.size);
     }
     pi_log(POWERINFER_LOG_INFO, "powerinfer: compute buffer %.1f MiB, KV cache %.1f MiB\n",
-           ggml_gallocr_get_buffer_size(ctx->galloc, 0) / 1048576.0,
-           ggml_backend_buffer_get_size(ctx->kv.buf) / 1048576.0);
+           ggml_gallocr_get_buffer_size(ctx->galloc, 0) / 1048576.0, pi_kv_cache_bytes(&ctx->kv) / 1048576.0);
     return POWERINFER_OK;
 }
 
 // ---- hybrid placement: the scheduler, the KV cache's home, compute measurement ----------
 
-// A scheduler over [device, CPU] (or [CPU] when the device is emulated) for what the
-// model has placed.
+// A scheduler over [the devices, CPU] (emulated devices are CPU buffers: the CPU's) for
+// what the model has placed.
 static int32_t make_sched(struct powerinfer_context * ctx) {
-    ggml_backend_t backends[2];
+    const struct pi_placement * pl = &ctx->model->placement;
+    ggml_backend_t backends[PI_MAX_DEVICES + 1];
     int n = 0;
-    if (ctx->model->placement.device.backend) backends[n++] = ctx->model->placement.device.backend;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        if (pl->devs[d].dev.backend) backends[n++] = pl->devs[d].dev.backend;
+    }
     backends[n++] = ctx->backend;
     ctx->sched = ggml_backend_sched_new(backends, NULL, n, PI_GRAPH_MAX_NODES, false, true);
     return ctx->sched ? POWERINFER_OK : pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the backend scheduler");
@@ -130,25 +132,36 @@ static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
     if (!gf || !ggml_backend_sched_reserve(ctx->sched, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve the compute buffers");
     }
-    ggml_backend_t dev = ctx->model->placement.device.backend ? ctx->model->placement.device.backend : ctx->backend;
-    *device_bytes = ggml_backend_sched_get_buffer_size(ctx->sched, dev);
+    // An emulated device's share is the CPU's whole buffer (it lives in host memory too).
+    const struct pi_placement * pl = &ctx->model->placement;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        ggml_backend_t b = pl->devs[d].dev.backend ? pl->devs[d].dev.backend : ctx->backend;
+        device_bytes[d] = ggml_backend_sched_get_buffer_size(ctx->sched, b);
+    }
     return POWERINFER_OK;
 }
 
-// Re-creates the KV cache in buft (NULL: host memory); contents are not kept (placement
-// happens before the first decode).
-static int32_t host_move_kv(void * self, ggml_backend_buffer_type_t buft, uint64_t * bytes) {
+// Re-creates the KV cache with each layer where bufts says (NULL: host memory); contents
+// are not kept (placement happens before the first decode).
+static int32_t host_move_kv(void * self, const ggml_backend_buffer_type_t * bufts) {
     struct powerinfer_context * ctx = self;
     const bool v_trans = ctx->kv.v_trans;
     const uint32_t size = ctx->kv.size;
     const uint32_t n_seq_max = ctx->kv.n_seq_max;
     pi_kv_cache_free(&ctx->kv);
     ctx->last.valid = false;
-    const int32_t rc = pi_kv_cache_init(&ctx->kv, ctx->model, size, n_seq_max, v_trans, buft);
-    if (bytes) {
-        *bytes = rc == POWERINFER_OK ? ggml_backend_buffer_get_size(ctx->kv.buf) : 0;
+    return pi_kv_cache_init(&ctx->kv, ctx->model, size, n_seq_max, v_trans, bufts);
+}
+
+static uint64_t host_kv_layer_bytes(void * self, int32_t il, ggml_backend_buffer_type_t buft) {
+    const struct powerinfer_context * ctx = self;
+    const uint64_t align = ggml_backend_buft_get_alignment(buft);
+    uint64_t n = 0;
+    const struct ggml_tensor * t[2] = { ctx->kv.k[il], ctx->kv.v[il] };
+    for (int k = 0; k < 2; ++k) {
+        n += (ggml_backend_buft_get_alloc_size(buft, (struct ggml_tensor *) t[k]) + align - 1) / align * align;
     }
-    return rc;
+    return n;
 }
 
 // The model's placement, decided by its first context (which hands over its KV cache and
@@ -159,8 +172,8 @@ static int32_t place(struct powerinfer_context * ctx) {
     const struct pi_placement_host host = {
         .self             = ctx,
         .compute_estimate = ctx->galloc ? ggml_gallocr_get_buffer_size(ctx->galloc, 0) : 0,
-        .kv_bytes         = ggml_backend_buffer_get_size(ctx->kv.buf),
         .move_kv          = host_move_kv,
+        .kv_layer_bytes   = host_kv_layer_bytes,
         .measure_compute  = host_measure_compute,
         .drop_scheduler   = host_drop_scheduler,
     };
@@ -174,7 +187,7 @@ static int32_t place(struct powerinfer_context * ctx) {
     } else if (model->placement.active) {
         // A later context: the KV cache stays in host memory; its compute buffers' device
         // share must fit in what the budget leaves.
-        const int32_t rc = pi_placement_admit(model, &host, &ctx->device_bytes);
+        const int32_t rc = pi_placement_admit(model, &host, ctx->device_bytes);
         if (rc != POWERINFER_OK) {
             return rc;
         }
@@ -291,7 +304,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     if (!ctx || atomic_fetch_sub(&ctx->n_refs, 1) > 1) {
         return;  // a batcher still computes on it
     }
-    if (ctx->model && (ctx->placed_first || ctx->device_bytes)) {
+    if (ctx->model) {
         pi_placement_release(ctx->model, ctx->placed_first, ctx->device_bytes);
     }
     pi_kv_cache_free(&ctx->kv);
@@ -605,8 +618,12 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     }
 
     ggml_backend_cpu_set_n_threads(ctx->backend, n_tokens > 1 ? ctx->params.n_threads_batch : ctx->params.n_threads);
+    if (ctx->model->placement.failed) {
+        return pi_placement_check(ctx->model);
+    }
     enum ggml_status st = ctx->sched ? ggml_backend_sched_graph_compute(ctx->sched, gf)
                                      : ggml_backend_graph_compute(ctx->backend, gf);
+
     if (st == GGML_STATUS_ABORTED) {
         return pi_fail(POWERINFER_ERR_ABORTED, "the computation was interrupted by its abort callback");
     }
@@ -629,6 +646,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
                                     (size_t) n_tokens * hp->n_ff * sizeof(float));
         }
         ctx->capture.n_tokens = n_tokens;
+    }
+    if (ctx->sched && (rc = pi_placement_check(ctx->model)) != POWERINFER_OK) {
+        return rc;  // an RPC worker went away: what came back is zeros
     }
     return POWERINFER_OK;
 }

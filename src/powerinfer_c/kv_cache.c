@@ -10,53 +10,91 @@
 #include <string.h>
 
 int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, uint32_t n_seq_max,
-                         bool v_trans, ggml_backend_buffer_type_t buft) {
+                         bool v_trans, const ggml_backend_buffer_type_t * bufts) {
     memset(kv, 0, sizeof(*kv));
     const struct pi_hparams * hp = &model->hp;
     const int64_t n_embd_kv = (int64_t) hp->n_embd_head * hp->n_head_kv;
 
     kv->cell_pos = malloc((size_t) n_ctx * sizeof(int32_t));
     kv->cell_seq = calloc((size_t) n_ctx, sizeof(uint64_t));
-    struct ggml_init_params ip = {
-        .mem_size   = (size_t) 2 * hp->n_layer * ggml_tensor_overhead(),
-        .mem_buffer = NULL,
-        .no_alloc   = true,
-    };
-    kv->ctx = kv->cell_pos && kv->cell_seq ? ggml_init(ip) : NULL;
-    if (!kv->ctx) {
+    if (!kv->cell_pos || !kv->cell_seq) {
         pi_kv_cache_free(kv);
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the KV cache descriptors");
     }
     for (uint32_t i = 0; i < n_ctx; ++i) {
         kv->cell_pos[i] = -1;
     }
+    // The places the layers live, host memory first: one context (and buffer) each.
+    ggml_backend_buffer_type_t where[PI_MAX_DEVICES + 1] = { ggml_backend_cpu_buffer_type() };
+    kv->n_bufs = 1;
     for (int32_t il = 0; il < hp->n_layer; ++il) {
-        kv->k[il] = ggml_new_tensor_2d(kv->ctx, GGML_TYPE_F16, n_embd_kv, n_ctx);
-        kv->v[il] = v_trans ? ggml_new_tensor_2d(kv->ctx, GGML_TYPE_F16, n_ctx, n_embd_kv)
-                            : ggml_new_tensor_2d(kv->ctx, GGML_TYPE_F16, n_embd_kv, n_ctx);
+        const ggml_backend_buffer_type_t b = bufts && bufts[il] ? bufts[il] : where[0];
+        int32_t k = 0;
+        while (k < kv->n_bufs && where[k] != b) ++k;
+        if (k == kv->n_bufs) {
+            if (kv->n_bufs == PI_MAX_DEVICES + 1) {
+                pi_kv_cache_free(kv);
+                return pi_fail(POWERINFER_ERR_INVALID_ARG, "the KV cache spans more than %d places", PI_MAX_DEVICES + 1);
+            }
+            where[kv->n_bufs++] = b;
+        }
+    }
+    const struct ggml_init_params ip = {
+        .mem_size   = (size_t) 2 * hp->n_layer * ggml_tensor_overhead(),
+        .mem_buffer = NULL,
+        .no_alloc   = true,
+    };
+    for (int32_t k = 0; k < kv->n_bufs; ++k) {
+        if (!(kv->ctx[k] = ggml_init(ip))) {
+            pi_kv_cache_free(kv);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the KV cache descriptors");
+        }
+    }
+    for (int32_t il = 0; il < hp->n_layer; ++il) {
+        const ggml_backend_buffer_type_t b = bufts && bufts[il] ? bufts[il] : where[0];
+        int32_t k = 0;
+        while (where[k] != b) ++k;
+        kv->k[il] = ggml_new_tensor_2d(kv->ctx[k], GGML_TYPE_F16, n_embd_kv, n_ctx);
+        kv->v[il] = v_trans ? ggml_new_tensor_2d(kv->ctx[k], GGML_TYPE_F16, n_ctx, n_embd_kv)
+                            : ggml_new_tensor_2d(kv->ctx[k], GGML_TYPE_F16, n_embd_kv, n_ctx);
         ggml_format_name(kv->k[il], "cache_k_l%d", il);
         ggml_format_name(kv->v[il], "cache_v_l%d", il);
     }
-    kv->buf = ggml_backend_alloc_ctx_tensors_from_buft(kv->ctx, buft ? buft : ggml_backend_cpu_buffer_type());
-    if (!kv->buf) {
-        pi_kv_cache_free(kv);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate a KV cache of %u cells (%.1f MiB)", n_ctx,
-                       2.0 * hp->n_layer * n_embd_kv * n_ctx * 2 / 1048576.0);
+    for (int32_t k = 0; k < kv->n_bufs; ++k) {
+        if (!ggml_get_first_tensor(kv->ctx[k])) {
+            continue;  // host memory holds no layer
+        }
+        kv->buf[k] = ggml_backend_alloc_ctx_tensors_from_buft(kv->ctx[k], where[k]);
+        if (!kv->buf[k]) {
+            pi_kv_cache_free(kv);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate a KV cache of %u cells (%.1f MiB) in %s", n_ctx,
+                           2.0 * hp->n_layer * n_embd_kv * n_ctx * 2 / 1048576.0, ggml_backend_buft_name(where[k]));
+        }
+        // Unwritten cells are masked out, but keep them finite: 0 * NaN would poison the V product.
+        ggml_backend_buffer_clear(kv->buf[k], 0);
     }
-    // Unwritten cells are masked out, but keep them finite: 0 * NaN would poison the V product.
-    ggml_backend_buffer_clear(kv->buf, 0);
     kv->size      = n_ctx;
     kv->n_seq_max = n_seq_max;
     kv->v_trans   = v_trans;
     return POWERINFER_OK;
 }
 
-void pi_kv_cache_free(struct pi_kv_cache * kv) {
-    if (kv->buf) {
-        ggml_backend_buffer_free(kv->buf);
+uint64_t pi_kv_cache_bytes(const struct pi_kv_cache * kv) {
+    uint64_t n = 0;
+    for (int32_t k = 0; k < kv->n_bufs; ++k) {
+        n += kv->buf[k] ? ggml_backend_buffer_get_size(kv->buf[k]) : 0;
     }
-    if (kv->ctx) {
-        ggml_free(kv->ctx);
+    return n;
+}
+
+void pi_kv_cache_free(struct pi_kv_cache * kv) {
+    for (int32_t k = 0; k < PI_MAX_DEVICES + 1; ++k) {
+        if (kv->buf[k]) {
+            ggml_backend_buffer_free(kv->buf[k]);
+        }
+        if (kv->ctx[k]) {
+            ggml_free(kv->ctx[k]);
+        }
     }
     free(kv->cell_pos);
     free(kv->cell_seq);

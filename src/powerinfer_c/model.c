@@ -530,8 +530,60 @@ struct powerinfer_model_params powerinfer_model_default_params(void) {
         .vram_budget_bytes = 0,
         .batch_weights   = true,
         .pack_dense      = false,
+        .rpc_servers     = NULL,
+        .split_mode      = POWERINFER_SPLIT_AUTO,
+        .tensor_split    = NULL,
+        .n_tensor_split  = 0,
+        .device_budgets  = NULL,
+        .n_device_budgets = 0,
     };
     return p;
+}
+
+// The placement parameters, checked, into the model's own copies (placement happens at the
+// first context, after the caller's arrays may be gone).
+static int32_t copy_placement_params(struct powerinfer_model * model) {
+    struct powerinfer_model_params * p = &model->params;
+    if (p->split_mode < POWERINFER_SPLIT_AUTO || p->split_mode > POWERINFER_SPLIT_NONE) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "split_mode = %d is not a powerinfer_split_mode", p->split_mode);
+    }
+    if (p->n_tensor_split < 0 || p->n_tensor_split > PI_MAX_DEVICES || (p->n_tensor_split > 0 && !p->tensor_split)) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "tensor_split: %d values (at most %d devices)", p->n_tensor_split,
+                       PI_MAX_DEVICES);
+    }
+    if (p->n_device_budgets < 0 || p->n_device_budgets > PI_MAX_DEVICES || (p->n_device_budgets > 0 && !p->device_budgets)) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "device budgets: %d values (at most %d devices)", p->n_device_budgets,
+                       PI_MAX_DEVICES);
+    }
+    for (int32_t i = 0; i < p->n_tensor_split; ++i) {
+        if (!(p->tensor_split[i] >= 0.0f) || isinf(p->tensor_split[i])) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "tensor_split[%d] = %g must be a finite share >= 0", i, p->tensor_split[i]);
+        }
+    }
+    for (int32_t i = 0; i < p->n_device_budgets; ++i) {
+        if (p->device_budgets[i] < 0) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "the budget of device %d is negative", i);
+        }
+    }
+    if (p->rpc_servers && !(model->rpc_servers = strdup(p->rpc_servers))) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    }
+    if (p->n_tensor_split > 0) {
+        if (!(model->tensor_split = malloc(sizeof(float) * (size_t) p->n_tensor_split))) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        memcpy(model->tensor_split, p->tensor_split, sizeof(float) * (size_t) p->n_tensor_split);
+    }
+    if (p->n_device_budgets > 0) {
+        if (!(model->device_budgets = malloc(sizeof(int64_t) * (size_t) p->n_device_budgets))) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        memcpy(model->device_budgets, p->device_budgets, sizeof(int64_t) * (size_t) p->n_device_budgets);
+    }
+    p->rpc_servers    = model->rpc_servers;
+    p->tensor_split   = model->tensor_split;
+    p->device_budgets = model->device_budgets;
+    return POWERINFER_OK;
 }
 
 struct powerinfer_model * powerinfer_model_load(const char * path, struct powerinfer_model_params params) {
@@ -550,9 +602,9 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
         return NULL;
     }
-    model->params = params;
+    model->params = params;  // copy_placement_params points its arrays at the model's copies
     model->path   = strdup(path);
-    bool ok = model->path && pi_model_load_file(model, path) == POWERINFER_OK;
+    bool ok = model->path && copy_placement_params(model) == POWERINFER_OK && pi_model_load_file(model, path) == POWERINFER_OK;
     if (ok && params.vocab_only) {
         const char * arch = get_str(model, "general.architecture");
         snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch ? arch : "");
@@ -599,6 +651,9 @@ void powerinfer_model_free(struct powerinfer_model * model) {
     pi_free_row_copies(model);
     pi_model_unload_file(model);
     free(model->path);
+    free(model->rpc_servers);
+    free(model->tensor_split);
+    free(model->device_budgets);
     free(model);
 }
 

@@ -1,7 +1,8 @@
-// offload.c - copies of weights on the device: whole dense tensors (attention, predictor,
-// norms, output) and the compact rows of the hot FFN neurons, with the masks the CPU
-// sparse operators use to skip those neurons. What to copy is placement.c's decision;
-// this file only copies, accounts in the device allocator's bytes, and undoes.
+// offload.c - copies of weights on the devices: whole dense tensors (attention, predictor,
+// norms, output; a layer split's dense FFN) and the compact rows of the hot FFN neurons,
+// with the masks the CPU sparse operators use to skip those neurons, one set of buffers
+// per device. What to copy where is placement.c's decision (placement_plan.c's plan);
+// this file only copies, accounts in each device allocator's bytes, and undoes.
 #include "powerinfer-impl.h"
 
 #include <stdlib.h>
@@ -9,54 +10,73 @@
 
 // ---- dense tensors ------------------------------------------------------------------------
 
-int32_t pi_offload_dense(struct powerinfer_model * model, const struct pi_device * dev, struct pi_dense_item * items,
+int32_t pi_offload_dense(struct powerinfer_model * model, const struct pi_device * devs, struct pi_dense_item * items,
                          int32_t n_items) {
     struct pi_offload * off = &model->offload;
-    if (n_items == 0) {
-        return POWERINFER_OK;
-    }
-    struct ggml_init_params ip = { .mem_size = (size_t) (n_items + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true };
-    off->ctx_dense = ggml_init(ip);
-    struct ggml_tensor ** copies = malloc(sizeof(*copies) * (size_t) n_items);
-    if (!off->ctx_dense || !copies) {
-        free(copies);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
-    }
-    for (int32_t i = 0; i < n_items; ++i) {
-        copies[i] = ggml_dup_tensor(off->ctx_dense, *items[i].slot);
-        ggml_set_name(copies[i], ggml_get_name(*items[i].slot));
-    }
-    off->buf_dense = ggml_backend_alloc_ctx_tensors_from_buft(off->ctx_dense, dev->buft);
-    if (!off->buf_dense) {
-        free(copies);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the dense weights", dev->name);
-    }
-    ggml_backend_buffer_set_usage(off->buf_dense, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    for (int32_t i = 0; i < n_items; ++i) {
-        struct ggml_tensor * t = *items[i].slot;
-        const struct ggml_tensor * o = pi_model_file_tensor(model, t);
-        ggml_backend_tensor_set(copies[i], o->data, 0, ggml_nbytes(o));
-        // The host copies are no longer read (the token embeddings stay, for get_rows):
-        // the file's pages, and a repacked copy's pages (never touched again, so giving
-        // them back is safe).
-        if (t != model->tok_embd) {
-            pi_release_mapped_range(model, o->data, ggml_nbytes(o));
-            if (t->data != o->data) {
-                pi_release_pages(t->data, ggml_nbytes(t));  // a repacked host copy nothing reads any more
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        int32_t n = 0;
+        for (int32_t i = 0; i < n_items; ++i) n += items[i].dev == d;
+        if (n == 0) {
+            continue;
+        }
+        struct ggml_init_params ip = { .mem_size = (size_t) (n + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true };
+        if (!(off->ctx_dense[d] = ggml_init(ip))) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        struct ggml_tensor ** copies = malloc(sizeof(*copies) * (size_t) n_items);
+        if (!copies) {
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        }
+        for (int32_t i = 0; i < n_items; ++i) {
+            copies[i] = NULL;
+            if (items[i].dev == d) {
+                copies[i] = ggml_dup_tensor(off->ctx_dense[d], *items[i].slot);
+                ggml_set_name(copies[i], ggml_get_name(*items[i].slot));
             }
         }
-        *items[i].slot = copies[i];
+        off->buf_dense[d] = ggml_backend_alloc_ctx_tensors_from_buft(off->ctx_dense[d], devs[d].buft);
+        if (!off->buf_dense[d]) {
+            free(copies);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the dense weights", devs[d].name);
+        }
+        ggml_backend_buffer_set_usage(off->buf_dense[d], GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        for (int32_t i = 0; i < n_items; ++i) {
+            if (!copies[i]) {
+                continue;
+            }
+            struct ggml_tensor * t = *items[i].slot;
+            const struct ggml_tensor * o = pi_model_file_tensor(model, t);
+            ggml_backend_tensor_set(copies[i], o->data, 0, ggml_nbytes(o));
+            // The host copies are no longer read (the token embeddings stay, for get_rows):
+            // the file's pages, and a repacked copy's pages (never touched again, so giving
+            // them back is safe).
+            if (t != model->tok_embd) {
+                pi_release_mapped_range(model, o->data, ggml_nbytes(o));
+                if (t->data != o->data) {
+                    pi_release_pages(t->data, ggml_nbytes(t));  // a repacked host copy nothing reads any more
+                }
+            }
+            *items[i].slot = copies[i];
+        }
+        free(copies);
     }
-    free(copies);
     return POWERINFER_OK;
 }
 
-uint64_t pi_offload_dense_bytes(const struct pi_offload * off) {
-    return off->buf_dense ? ggml_backend_buffer_get_size(off->buf_dense) : 0;
+uint64_t pi_offload_dense_bytes(const struct pi_offload * off, int32_t dev) {
+    return off->buf_dense[dev] ? ggml_backend_buffer_get_size(off->buf_dense[dev]) : 0;
 }
 
 bool pi_offload_holds(const struct pi_offload * off, const struct ggml_tensor * t) {
-    return off->buf_dense && t && t->buffer == off->buf_dense;
+    if (!t) {
+        return false;
+    }
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (off->buf_dense[d] && t->buffer == off->buf_dense[d]) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void pi_offload_undo_dense(struct powerinfer_model * model, struct pi_dense_item * items, int32_t n_items) {
@@ -69,10 +89,12 @@ void pi_offload_undo_dense(struct powerinfer_model * model, struct pi_dense_item
     if (model->output && model->output != model->tok_embd && strcmp(ggml_get_name(model->output), ggml_get_name(model->tok_embd)) == 0) {
         model->output = model->tok_embd;
     }
-    if (off->buf_dense) ggml_backend_buffer_free(off->buf_dense);
-    if (off->ctx_dense) ggml_free(off->ctx_dense);
-    off->buf_dense = NULL;
-    off->ctx_dense = NULL;
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (off->buf_dense[d]) ggml_backend_buffer_free(off->buf_dense[d]);
+        if (off->ctx_dense[d]) ggml_free(off->ctx_dense[d]);
+        off->buf_dense[d] = NULL;
+        off->ctx_dense[d] = NULL;
+    }
 }
 
 // ---- hot FFN rows -------------------------------------------------------------------------
@@ -93,15 +115,17 @@ uint64_t pi_offload_group_cost(const struct powerinfer_model * model, int32_t il
     return c;
 }
 
-uint64_t pi_offload_ffn_bytes(const struct pi_offload * off) {
-    return off->buf_ffn ? ggml_backend_buffer_get_size(off->buf_ffn) : 0;
+uint64_t pi_offload_ffn_bytes(const struct pi_offload * off, int32_t dev) {
+    return off->buf_ffn[dev] ? ggml_backend_buffer_get_size(off->buf_ffn[dev]) : 0;
 }
 
 void pi_offload_free_ffn(struct pi_offload * off, int32_t n_layer) {
-    if (off->buf_ffn) ggml_backend_buffer_free(off->buf_ffn);
-    if (off->ctx_ffn) ggml_free(off->ctx_ffn);
-    off->buf_ffn = NULL;
-    off->ctx_ffn = NULL;
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (off->buf_ffn[d]) ggml_backend_buffer_free(off->buf_ffn[d]);
+        if (off->ctx_ffn[d]) ggml_free(off->ctx_ffn[d]);
+        off->buf_ffn[d] = NULL;
+        off->ctx_ffn[d] = NULL;
+    }
     for (int32_t il = 0; il < n_layer; ++il) {
         struct pi_offload_layer * ol = &off->layers[il];
         free(ol->is_hot);
@@ -177,27 +201,46 @@ static int32_t copy_layer_rows(const struct powerinfer_model * model, int32_t il
     return rc;
 }
 
-int32_t pi_offload_ffn(struct powerinfer_model * model, const struct pi_device * dev, uint8_t * const * is_hot) {
+int32_t pi_offload_ffn(struct powerinfer_model * model, const struct pi_device * devs, uint8_t * const * is_hot,
+                       const int8_t * layer_dev) {
     struct pi_offload * off = &model->offload;
     const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
     const int64_t n_embd = model->hp.n_embd;
     const bool pred = model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR;
-    struct ggml_init_params ip = { .mem_size = (size_t) (4 * n_layer + 1) * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true };
-    off->ctx_ffn = ggml_init(ip);
     int32_t ** ids = calloc((size_t) n_layer, sizeof(int32_t *));
     int32_t rc = POWERINFER_OK;
-    if (!off->ctx_ffn || !ids) {
-        rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
-        goto done;
+    if (!ids) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
     }
-    int32_t n_offload_layers = 0;
+    int32_t n_on[PI_MAX_DEVICES] = { 0 };  // layers with rows on each device
+    for (int32_t il = 0; il < n_layer; ++il) {
+        struct pi_offload_layer * ol = &off->layers[il];
+        for (int32_t i = 0; i < n_ff; ++i) ol->n_hot += is_hot[il][i];
+        if (ol->n_hot > 0 && (layer_dev[il] < 0 || layer_dev[il] >= PI_MAX_DEVICES)) {
+            rc = pi_fail(POWERINFER_ERR_INTERNAL, "layer %d: hot neurons without a device", il);
+            goto done;
+        }
+        if (ol->n_hot > 0) n_on[layer_dev[il]]++;
+    }
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (n_on[d] == 0) {
+            continue;
+        }
+        struct ggml_init_params ip = { .mem_size = (size_t) (4 * n_on[d] + 1) * ggml_tensor_overhead(), .mem_buffer = NULL,
+                                       .no_alloc = true };
+        if (!(off->ctx_ffn[d] = ggml_init(ip))) {
+            rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+            goto done;
+        }
+    }
     for (int32_t il = 0; il < n_layer; ++il) {
         struct pi_offload_layer * ol = &off->layers[il];
         const struct pi_layer * l = &model->layers[il];
-        for (int32_t i = 0; i < n_ff; ++i) ol->n_hot += is_hot[il][i];
         if (ol->n_hot == 0) {
             continue;
         }
+        struct ggml_context * c = off->ctx_ffn[layer_dev[il]];
+        ol->dev = layer_dev[il];
         ol->is_hot = malloc((size_t) n_ff);
         ids[il] = malloc(sizeof(int32_t) * (size_t) ol->n_hot);
         if (!ol->is_hot || !ids[il]) {
@@ -205,31 +248,32 @@ int32_t pi_offload_ffn(struct powerinfer_model * model, const struct pi_device *
             goto done;
         }
         memcpy(ol->is_hot, is_hot[il], (size_t) n_ff);
-        ++n_offload_layers;
         ol->n_pad = (ol->n_hot + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP * PI_OFFLOAD_GROUP;
         for (int32_t i = 0, j = 0; i < n_ff; ++i) if (ol->is_hot[i]) ids[il][j++] = i;
-        ol->up = ggml_new_tensor_2d(off->ctx_ffn, l->ffn_up->type, n_embd, ol->n_pad);
+        ol->up = ggml_new_tensor_2d(c, l->ffn_up->type, n_embd, ol->n_pad);
         ggml_format_name(ol->up, "blk.%d.ffn_up_dev", il);
         if (l->ffn_gate) {
-            ol->gate = ggml_new_tensor_2d(off->ctx_ffn, l->ffn_gate->type, n_embd, ol->n_pad);
+            ol->gate = ggml_new_tensor_2d(c, l->ffn_gate->type, n_embd, ol->n_pad);
             ggml_format_name(ol->gate, "blk.%d.ffn_gate_dev", il);
         }
-        ol->down = ggml_new_tensor_2d(off->ctx_ffn, down_type(l->ffn_down_t->type), ol->n_pad, n_embd);
+        ol->down = ggml_new_tensor_2d(c, down_type(l->ffn_down_t->type), ol->n_pad, n_embd);
         ggml_format_name(ol->down, "blk.%d.ffn_down_dev", il);
         if (pred) {
-            ol->fc2 = ggml_new_tensor_2d(off->ctx_ffn, l->fc2->type, l->fc2->ne[0], ol->n_pad);
+            ol->fc2 = ggml_new_tensor_2d(c, l->fc2->type, l->fc2->ne[0], ol->n_pad);
             ggml_format_name(ol->fc2, "blk.%d.fc2_dev", il);
         }
     }
-    if (n_offload_layers == 0) {
-        goto done;
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (!off->ctx_ffn[d]) {
+            continue;
+        }
+        off->buf_ffn[d] = ggml_backend_alloc_ctx_tensors_from_buft(off->ctx_ffn[d], devs[d].buft);
+        if (!off->buf_ffn[d]) {
+            rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the FFN rows", devs[d].name);
+            goto done;
+        }
+        ggml_backend_buffer_set_usage(off->buf_ffn[d], GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     }
-    off->buf_ffn = ggml_backend_alloc_ctx_tensors_from_buft(off->ctx_ffn, dev->buft);
-    if (!off->buf_ffn) {
-        rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate %s memory for the FFN rows", dev->name);
-        goto done;
-    }
-    ggml_backend_buffer_set_usage(off->buf_ffn, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (int32_t il = 0; il < n_layer && rc == POWERINFER_OK; ++il) {
         const struct pi_layer * l = &model->layers[il];
         if (off->layers[il].n_hot == 0) {
@@ -245,7 +289,7 @@ int32_t pi_offload_ffn(struct powerinfer_model * model, const struct pi_device *
         }
     }
 done:
-    for (int32_t il = 0; ids && il < n_layer; ++il) free(ids[il]);
+    for (int32_t il = 0; il < n_layer; ++il) free(ids[il]);
     free(ids);
     return rc;
 }
@@ -253,7 +297,9 @@ done:
 void pi_offload_free(struct powerinfer_model * model) {
     struct pi_offload * off = &model->offload;
     pi_offload_free_ffn(off, model->hp.n_layer);
-    if (off->buf_dense) ggml_backend_buffer_free(off->buf_dense);
-    if (off->ctx_dense) ggml_free(off->ctx_dense);
+    for (int32_t d = 0; d < PI_MAX_DEVICES; ++d) {
+        if (off->buf_dense[d]) ggml_backend_buffer_free(off->buf_dense[d]);
+        if (off->ctx_dense[d]) ggml_free(off->ctx_dense[d]);
+    }
     memset(off, 0, sizeof(*off));
 }

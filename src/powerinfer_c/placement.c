@@ -1,25 +1,29 @@
-// placement.c - hybrid placement: under a device memory budget, decide what goes on the
-// device (dense weights, the KV cache, the hottest FFN neurons), never exceeding the
-// budget. The device comes from device.c, the copies are made by offload.c, the FFN sets
-// are cached in gpuidx.c's file; the context being placed measures its own KV cache and
+// placement.c - hybrid placement over the devices (device.c: GPUs, iGPUs, RPC workers, or
+// emulated ones): under each device's memory budget, put dense weights, the KV cache and
+// the hottest FFN neurons there (PowerInfer's hybrid split), or whole layers (llama.cpp's
+// layer split), never exceeding a budget. The decision is placement_plan.c's, a pure
+// function of the sizes measured here; offload.c copies; the FFN sets of a single device
+// are cached in gpuidx.c's file. The context being placed measures its own KV cache and
 // compute buffers through the small interface it hands over (struct pi_placement_host).
-// Without a GPU backend the same path runs with the "device" emulated by a CPU buffer
-// (POWERINFER_EMULATE_DEVICE=1 or model params .emulate_device), which is how the tests
+// Without a GPU backend the same path runs with the "devices" emulated by CPU buffers
+// (POWERINFER_EMULATE_DEVICE=N or model params .emulate_device), which is how the tests
 // check the split, the accounting and the results.
 //
-// Placement order (first failure stops the dense classes, as in PowerInfer):
-//   1. attention weights and attn_norm, layer by layer from layer 0 (every token reads
-//      all of them: the most bytes of dense work saved per device byte);
-//   2. the predictors fc1/fc2 (dense, read every token in predictor mode);
-//   3. ffn_norm;
-//   4. output_norm and the output (LM head) matrix;
-//   5. the context's KV cache, when everything above fit;
+// Hybrid order, device after device (a class that fits on none stops the dense ones):
+//   1. attention weights and attn_norm, layer by layer from layer 0;
+//   2. the predictors fc1/fc2 (predictor mode);  3. ffn_norm;  4. output_norm and output;
+//   5. each device's layers' KV caches, when every dense class is placed;
 //   6. the compute buffers, as measured by ggml's scheduler on this graph;
-//   7. what is left: FFN neurons, hottest first, chosen by powerinfer_place_groups from
-//      per-neuron activation counts, or reused from <model>.generated.gpuidx.
-// Every byte is counted from the sizes ggml's allocator reports, in 64 bits, and the
-// result is checked against the budget after the compute buffers are measured again
-// with the FFN rows in place; the FFN share shrinks until it fits.
+//   7. what is left on each device: the hottest FFN neurons of the layers whose attention
+//      it holds (one knapsack per device), from per-neuron activation counts, or reused
+//      from <model>.generated.gpuidx (one device).
+// Layer split: the last n_gpu_layers layers, whole, in contiguous ranges by the devices'
+// shares (tensor_split, else their budgets); a layer's FFN as compact rows of all its
+// neurons (files with ffn_down_t) or its dense tensors; the output too when n_gpu_layers
+// exceeds the layers.
+// Every byte is counted from the sizes each device's allocator reports, in 64 bits, and the
+// result is checked against the budgets after the compute buffers are measured again with
+// everything in place; a device's FFN share shrinks until it fits.
 #include "powerinfer-impl.h"
 
 #include <math.h>
@@ -29,141 +33,13 @@
 #include <unistd.h>
 
 #define PI_DEVICE_MARGIN (512ull << 20)  // kept free on a real device when the budget is automatic
-#define PI_MAX_DENSE     (16 * PI_MAX_LAYERS + 8)
-
-// ---- the solver --------------------------------------------------------------------
-//
-// Neurons of a layer are sorted by activation count and taken in groups of a fixed size
-// (the device tensors' row granularity), so a layer's device set is always a prefix of
-// its sorted groups and group values never increase along a layer. The objective is the
-// expected activated mass on the device (sum of the chosen groups' counts) under the
-// byte budget, with an optional per-layer cap on the groups (the compute-balance bound:
-// the device never takes more than a set share of a layer).
-//
-// When every layer's group costs the same number of bytes the problem is a partition
-// matroid (at most max_groups[l] from layer l, at most budget/cost in all) with a linear
-// objective, so taking groups by value, best first, is optimal; ties are broken by
-// (layer, group) order, which keeps every layer's choice a prefix. With unequal costs
-// (layers of different types) greedy by value per byte can be beaten, so a dynamic
-// programme over layers and budget units (the gcd of the costs) solves it exactly when
-// the table is small enough, and greedy by value per byte is the fallback.
-
-struct pi_group_ref {
-    double  value;
-    int32_t layer;
-    int32_t group;
-};
-
-static int cmp_group_ref(const void * a, const void * b) {
-    const struct pi_group_ref * x = a, * y = b;
-    if (x->value != y->value) return x->value > y->value ? -1 : 1;
-    if (x->layer != y->layer) return x->layer < y->layer ? -1 : 1;
-    return x->group < y->group ? -1 : x->group > y->group;
-}
-
-static uint64_t gcd_u64(uint64_t a, uint64_t b) {
-    while (b) { uint64_t t = a % b; a = b; b = t; }
-    return a;
-}
-
-// Greedy by value (equal costs) or by value per byte; fills n_chosen.
-static int32_t place_greedy(int32_t n_layer, int32_t n_groups, const double * values, const uint64_t * cost,
-                            const int32_t * max_groups, uint64_t budget, int32_t * n_chosen) {
-    struct pi_group_ref * refs = malloc(sizeof(*refs) * (size_t) n_layer * n_groups);
-    if (!refs) {
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory in the placement solver");
-    }
-    size_t n = 0;
-    for (int32_t l = 0; l < n_layer; ++l) {
-        n_chosen[l] = 0;
-        for (int32_t g = 0; g < max_groups[l]; ++g) {
-            refs[n++] = (struct pi_group_ref) { values[(size_t) l * n_groups + g] / (double) cost[l], l, g };
-        }
-    }
-    qsort(refs, n, sizeof(*refs), cmp_group_ref);
-    uint64_t used = 0;
-    for (size_t i = 0; i < n; ++i) {
-        const int32_t l = refs[i].layer;
-        // Keep prefixes: a group is taken only after the layer's better ones.
-        if (refs[i].group != n_chosen[l] || used + cost[l] > budget) {
-            continue;
-        }
-        used += cost[l];
-        n_chosen[l]++;
-    }
-    free(refs);
-    return POWERINFER_OK;
-}
-
-// Exact DP for unequal costs: best[l][b] = max mass from layers < l within b units.
-static int32_t place_dp(int32_t n_layer, int32_t n_groups, const double * values, const uint64_t * cost,
-                        const int32_t * max_groups, uint64_t units, uint64_t unit, int32_t * n_chosen) {
-    const size_t W = (size_t) units + 1;
-    double *  best = malloc(sizeof(double) * W * 2);
-    int32_t * pick = malloc(sizeof(int32_t) * W * (size_t) n_layer);
-    double *  pre  = malloc(sizeof(double) * ((size_t) n_groups + 1));
-    if (!best || !pick || !pre) {
-        free(best); free(pick); free(pre);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory in the placement solver");
-    }
-    double * cur = best, * nxt = best + W;
-    for (size_t b = 0; b < W; ++b) cur[b] = 0.0;
-    for (int32_t l = 0; l < n_layer; ++l) {
-        const uint64_t c = cost[l] / unit;
-        pre[0] = 0.0;
-        for (int32_t g = 0; g < max_groups[l]; ++g) pre[g + 1] = pre[g] + values[(size_t) l * n_groups + g];
-        for (size_t b = 0; b < W; ++b) {
-            double  v = cur[b];
-            int32_t k = 0;
-            for (int32_t j = 1; j <= max_groups[l] && (uint64_t) j * c <= b; ++j) {
-                const double w = cur[b - (size_t) j * c] + pre[j];
-                if (w > v) { v = w; k = j; }
-            }
-            nxt[b] = v;
-            pick[(size_t) l * W + b] = k;
-        }
-        double * t = cur; cur = nxt; nxt = t;
-    }
-    size_t b = W - 1;
-    for (int32_t l = n_layer - 1; l >= 0; --l) {
-        n_chosen[l] = pick[(size_t) l * W + b];
-        b -= (size_t) n_chosen[l] * (cost[l] / unit);
-    }
-    free(best); free(pick); free(pre);
-    return POWERINFER_OK;
-}
-
-#define PI_DP_MAX_CELLS 50000000ull
+#define PI_MAX_DENSE     (20 * PI_MAX_LAYERS + 8)
+#define PI_NEVER_FITS    (UINT64_MAX / 4)  // the size of a class that cannot be copied
 
 int32_t powerinfer_place_groups(int32_t n_layer, int32_t n_groups, const double * values, const uint64_t * cost,
                                 const int32_t * max_groups, uint64_t budget, int32_t * n_chosen) {
     pi_clear_error();
-    if (n_layer <= 0 || n_groups < 0 || !values || !cost || !max_groups || !n_chosen) {
-        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_place_groups: invalid arguments");
-    }
-    bool equal = true;
-    uint64_t unit = 0;
-    for (int32_t l = 0; l < n_layer; ++l) {
-        if (cost[l] == 0 || max_groups[l] < 0 || max_groups[l] > n_groups) {
-            return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d: group cost must be > 0 and max_groups in [0, %d]", l, n_groups);
-        }
-        for (int32_t g = 1; g < max_groups[l]; ++g) {
-            if (values[(size_t) l * n_groups + g] > values[(size_t) l * n_groups + g - 1]) {
-                return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d: group values must not increase", l);
-            }
-        }
-        equal &= cost[l] == cost[0];
-        unit = gcd_u64(unit, cost[l]);
-    }
-    if (equal) {
-        return place_greedy(n_layer, n_groups, values, cost, max_groups, budget, n_chosen);
-    }
-    const uint64_t units = budget / unit;
-    if ((units + 1) * (uint64_t) n_layer <= PI_DP_MAX_CELLS) {
-        return place_dp(n_layer, n_groups, values, cost, max_groups, units, unit, n_chosen);
-    }
-    pi_log(POWERINFER_LOG_WARN, "powerinfer: placement: unequal layer costs and a large budget; greedy by value per byte\n");
-    return place_greedy(n_layer, n_groups, values, cost, max_groups, budget, n_chosen);
+    return pi_plan_groups(n_layer, n_groups, values, cost, max_groups, budget, n_chosen);
 }
 
 // ---- activation counts ------------------------------------------------------------------
@@ -218,62 +94,199 @@ int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const f
     return POWERINFER_OK;
 }
 
-// ---- the budget walk ----------------------------------------------------------------------
+// ---- the devices and their budgets -----------------------------------------------------
 
-static bool env_flag(const char * name) {
+static int32_t env_count(const char * name) {
     const char * v = getenv(name);
-    return v && *v && strcmp(v, "0") != 0;
+    if (!v || !*v) return 0;
+    const long n = strtol(v, NULL, 10);
+    return n > 0 ? (int32_t) (n < PI_MAX_DEVICES ? n : PI_MAX_DEVICES) : 0;
 }
 
-// The dense classes in placement order; items of one group are placed together.
-static int32_t collect_dense(struct powerinfer_model * model, struct pi_dense_item * items) {
-    int32_t n = 0, g = 0;
+// Device d's budget in bytes: the caller's (per device, or one for all), else its free
+// memory less a margin (512 MiB, at most a sixteenth of what it has).
+static uint64_t device_budget(const struct powerinfer_model_params * p, const struct pi_device * dev, int32_t d) {
+    if (p->device_budgets && d < p->n_device_budgets) {
+        return p->device_budgets[d] > 0 ? (uint64_t) p->device_budgets[d] : 0;
+    }
+    if (p->vram_budget_bytes > 0) {
+        return (uint64_t) p->vram_budget_bytes;
+    }
+    if (p->vram_budget_gib >= 0.0f) {
+        return (uint64_t) floor((double) p->vram_budget_gib * (double) (1ull << 30));
+    }
+    uint64_t free_b = 0, total_b = 0;
+    pi_device_memory(dev, &free_b, &total_b);
+    const uint64_t margin = total_b / 16 < PI_DEVICE_MARGIN ? total_b / 16 : PI_DEVICE_MARGIN;
+    return free_b > margin ? free_b - margin : 0;
+}
+
+// The plan's mode for these parameters (enum powerinfer_split_mode; see powerinfer.h).
+static enum pi_plan_mode plan_mode(const struct powerinfer_model * model) {
+    const int32_t sm = model->params.split_mode;
+    if (sm == POWERINFER_SPLIT_LAYER) return PI_PLAN_LAYERS;
+    if (sm == POWERINFER_SPLIT_HYBRID) return PI_PLAN_HYBRID;
+    const bool sparse = model->hp.sparse_mode == POWERINFER_SPARSE_GATE || model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR;
+    return !sparse && model->params.n_gpu_layers != 0 ? PI_PLAN_LAYERS : PI_PLAN_HYBRID;
+}
+
+// ---- what there is to place, and its sizes on each device ------------------------------
+
+// A layer split puts the FFN on its device as compact rows of every neuron (the rows
+// placement's path) when the file has ffn_down_t, else as its dense tensors.
+static bool layer_ffn_as_rows(const struct powerinfer_model * model, int32_t il) {
+    return model->layers[il].ffn_down_t != NULL;
+}
+
+// The dense items in the hybrid order (a layer split takes the same ones, by layer, and the
+// dense FFN of layers without ffn_down_t).
+static int32_t collect_dense(struct powerinfer_model * model, enum pi_plan_mode mode, struct pi_dense_item * items) {
+    int32_t n = 0;
     const int32_t n_layer = model->hp.n_layer;
-    for (int32_t il = 0; il < n_layer; ++il, ++g) {
+    for (int32_t il = 0; il < n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
         struct ggml_tensor ** s[] = { &l->attn_norm, &l->attn_norm_b, &l->attn_norm_2, &l->attn_norm_2_b, &l->wqkv,
                                       &l->wq, &l->wk, &l->wv, &l->wo, &l->bq, &l->bk, &l->bv };
         for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); ++i) {
-            if (*s[i]) items[n++] = (struct pi_dense_item) { s[i], g };
+            if (*s[i]) items[n++] = (struct pi_dense_item) { s[i], il, PI_ITEM_ATTN, PI_PLAN_HOST };
         }
     }
     if (model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR) {
-        for (int32_t il = 0; il < n_layer; ++il, ++g) {
-            items[n++] = (struct pi_dense_item) { &model->layers[il].fc1, g };
-            items[n++] = (struct pi_dense_item) { &model->layers[il].fc2, g };
+        for (int32_t il = 0; il < n_layer; ++il) {
+            items[n++] = (struct pi_dense_item) { &model->layers[il].fc1, il, PI_ITEM_PRED, PI_PLAN_HOST };
+            items[n++] = (struct pi_dense_item) { &model->layers[il].fc2, il, PI_ITEM_PRED, PI_PLAN_HOST };
         }
     }
-    for (int32_t il = 0; il < n_layer && model->layers[il].ffn_norm; ++il, ++g) {
-        items[n++] = (struct pi_dense_item) { &model->layers[il].ffn_norm, g };
+    for (int32_t il = 0; il < n_layer && model->layers[il].ffn_norm; ++il) {
+        items[n++] = (struct pi_dense_item) { &model->layers[il].ffn_norm, il, PI_ITEM_FFN_NORM, PI_PLAN_HOST };
     }
-    items[n++] = (struct pi_dense_item) { &model->output_norm, g };
-    if (model->output_norm_b) items[n++] = (struct pi_dense_item) { &model->output_norm_b, g };
-    items[n++] = (struct pi_dense_item) { &model->output, g };
+    items[n++] = (struct pi_dense_item) { &model->output_norm, -1, PI_ITEM_OUTPUT, PI_PLAN_HOST };
+    if (model->output_norm_b) items[n++] = (struct pi_dense_item) { &model->output_norm_b, -1, PI_ITEM_OUTPUT, PI_PLAN_HOST };
+    items[n++] = (struct pi_dense_item) { &model->output, -1, PI_ITEM_OUTPUT, PI_PLAN_HOST };
+    for (int32_t il = 0; mode == PI_PLAN_LAYERS && il < n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        if (layer_ffn_as_rows(model, il)) {
+            continue;
+        }
+        struct ggml_tensor ** s[] = { &l->ffn_gate, &l->ffn_up, &l->ffn_down };
+        for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); ++i) {
+            if (*s[i]) items[n++] = (struct pi_dense_item) { s[i], il, PI_ITEM_FFN, PI_PLAN_HOST };
+        }
+    }
     return n;
 }
 
-// Whole groups of dense items, in order, while they fit next to the compute-buffer
-// estimate; returns how many items.
-static int32_t fit_dense(const struct powerinfer_model * model, const struct pi_device * dev, const struct pi_dense_item * items,
-                         int32_t n_all, uint64_t budget, uint64_t reserve) {
-    int32_t n_items = 0;
-    uint64_t used = 0;
-    while (n_items < n_all) {
-        int32_t end = n_items;
-        uint64_t need = 0;
-        bool copyable = true;
-        while (end < n_all && items[end].group == items[n_items].group) {
-            need += pi_device_alloc_size(dev, *items[end].slot);
-            copyable &= pi_model_file_tensor(model, *items[end].slot) != NULL;
-            ++end;
+// Bytes of the compact rows of n neurons of layer il on a device (offload.c's tensors).
+static uint64_t rows_bytes(const struct powerinfer_model * model, const struct pi_device * dev, int32_t il, int64_t n) {
+    const int64_t groups = (n + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP;
+    const uint64_t align = ggml_backend_buft_get_alignment(dev->buft);
+    return (uint64_t) groups * pi_offload_group_cost(model, il) + 4 * align;  // 4 tensors, each aligned
+}
+
+struct pi_plan_sizes {
+    struct pi_plan_layer_bytes layers[PI_MAX_DEVICES][PI_MAX_LAYERS];
+};
+
+// The plan's input: every class's bytes on every device.
+static int32_t plan_input(struct powerinfer_model * model, const struct pi_placement_host * host, enum pi_plan_mode mode,
+                          const struct pi_dense_item * items, int32_t n_items, uint64_t reserve,
+                          struct pi_plan_sizes * sizes, struct pi_plan_input * in) {
+    struct pi_placement * pl = &model->placement;
+    const int32_t n_layer = model->hp.n_layer;
+    memset(in, 0, sizeof(*in));
+    memset(sizes, 0, sizeof(*sizes));
+    in->mode = mode;
+    in->n_dev = pl->n_dev;
+    in->n_layer = n_layer;
+    in->n_gpu_layers = model->params.n_gpu_layers;
+    const bool sparse = model->hp.sparse_mode == POWERINFER_SPARSE_GATE || model->hp.sparse_mode == POWERINFER_SPARSE_PREDICTOR;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        const struct pi_device * dev = &pl->devs[d].dev;
+        struct pi_plan_device * pd = &in->dev[d];
+        pd->budget  = pl->devs[d].budget;
+        pd->reserve = reserve;
+        pd->share   = d < model->params.n_tensor_split && model->params.tensor_split ? model->params.tensor_split[d] : 0.0;
+        pd->layers  = sizes->layers[d];
+        for (int32_t i = 0; i < n_items; ++i) {
+            const uint64_t b = pi_model_file_tensor(model, *items[i].slot) ? pi_device_alloc_size(dev, *items[i].slot)
+                                                                           : PI_NEVER_FITS;
+            struct pi_plan_layer_bytes * lb = items[i].layer >= 0 ? &sizes->layers[d][items[i].layer] : NULL;
+            switch (items[i].cls) {
+                case PI_ITEM_ATTN:     lb->attn += b; break;
+                case PI_ITEM_PRED:     lb->pred += b; break;
+                case PI_ITEM_FFN_NORM: lb->ffn_norm += b; break;
+                case PI_ITEM_FFN:      lb->ffn += b; break;
+                case PI_ITEM_OUTPUT:   pd->output += b; break;
+            }
         }
-        if (!copyable || used + need + reserve > budget) {
-            break;
+        for (int32_t il = 0; il < n_layer; ++il) {
+            struct pi_plan_layer_bytes * lb = &sizes->layers[d][il];
+            lb->kv = host->kv_layer_bytes(host->self, il, dev->buft);
+            if (mode == PI_PLAN_LAYERS && layer_ffn_as_rows(model, il)) {
+                lb->ffn = rows_bytes(model, dev, il, model->hp.n_ff);
+            }
+            if (mode == PI_PLAN_HYBRID && sparse && model->layers[il].ffn_down_t) {
+                lb->group = pi_offload_group_cost(model, il);
+            }
         }
-        used += need;
-        n_items = end;
     }
-    return n_items;
+    return POWERINFER_OK;
+}
+
+// ---- executing the plan ---------------------------------------------------------------------
+
+static uint64_t device_total(const struct pi_placement_device * pd) {
+    return pd->bytes_dense + pd->bytes_kv + pd->bytes_compute + pd->bytes_ffn;
+}
+
+// What a device holds now: the placed weights, the deciding context's KV cache and compute
+// buffers while it exists, and the later contexts' compute buffers.
+static uint64_t device_in_use(const struct pi_placement * pl, const struct pi_placement_device * pd) {
+    return pd->bytes_dense + pd->bytes_ffn + (pl->first_alive ? pd->bytes_kv + pd->bytes_compute : 0) + pd->bytes_contexts;
+}
+
+static bool over_budget(const struct pi_placement * pl) {
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        if (device_total(&pl->devs[d]) > pl->devs[d].budget) return true;
+    }
+    return false;
+}
+
+// Re-measures every device's compute buffers with what is placed now.
+static int32_t remeasure(struct pi_placement * pl, const struct pi_placement_host * host) {
+    uint64_t bytes[PI_MAX_DEVICES] = { 0 };
+    const int32_t rc = host->measure_compute(host->self, bytes);
+    for (int32_t d = 0; d < pl->n_dev; ++d) pl->devs[d].bytes_compute = rc == POWERINFER_OK ? bytes[d] : 0;
+    return rc;
+}
+
+// The KV cache where the plan puts each layer's.
+static int32_t move_kv(struct powerinfer_model * model, const struct pi_placement_host * host, const struct pi_plan * plan) {
+    struct pi_placement * pl = &model->placement;
+    ggml_backend_buffer_type_t bufts[PI_MAX_LAYERS] = { 0 };
+    bool any = false;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        if (plan->kv[il] >= 0) {
+            bufts[il] = pl->devs[plan->kv[il]].dev.buft;
+            any = true;
+        }
+    }
+    if (!any) {
+        return POWERINFER_OK;
+    }
+    int32_t rc = host->move_kv(host->self, bufts);
+    if (rc != POWERINFER_OK) {
+        pi_log(POWERINFER_LOG_WARN, "powerinfer: placement: the KV cache could not move to the devices (%s); it stays in "
+               "host memory\n", powerinfer_last_error());
+        pi_clear_error();
+        return host->move_kv(host->self, NULL);
+    }
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        if (plan->kv[il] >= 0) {
+            pl->devs[plan->kv[il]].bytes_kv += host->kv_layer_bytes(host->self, il, bufts[il]);
+        }
+    }
+    return POWERINFER_OK;
 }
 
 struct count_ref { float c; int32_t i; };
@@ -283,174 +296,153 @@ static int cmp_count_ref(const void * a, const void * b) {
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-// Chooses the device sets for `capacity` bytes from the activation counts; fills
-// is_hot[il] (n_ff bytes each). *have_counts is false when the model has no counts.
-static int32_t solve_ffn(const struct powerinfer_model * model, uint64_t capacity, uint8_t ** is_hot, bool * have_counts) {
+// The layers' neurons sorted by activation count (order[il * n_ff + k] = the k-th hottest)
+// and the group values the solver reads. False when the model has no counts.
+static bool sorted_counts(const struct powerinfer_model * model, int32_t * order, double * values) {
     const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
     const int32_t n_groups = (n_ff + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP;
-    float *            counts = malloc(sizeof(float) * (size_t) n_ff);
-    struct count_ref * order  = malloc(sizeof(*order) * (size_t) n_layer * n_ff);
-    double *           values = calloc((size_t) n_layer * n_groups, sizeof(double));
-    uint64_t *         cost   = malloc(sizeof(uint64_t) * (size_t) n_layer);
-    int32_t *          maxg   = malloc(sizeof(int32_t) * (size_t) n_layer);
-    int32_t *          chosen = malloc(sizeof(int32_t) * (size_t) n_layer);
-    int32_t rc = POWERINFER_OK;
-    *have_counts = true;
-    if (!counts || !order || !values || !cost || !maxg || !chosen) {
-        rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory in placement");
-        goto done;
-    }
-    for (int32_t il = 0; il < n_layer; ++il) {
-        if (!pi_model_act_counts(model, il, counts)) {
-            *have_counts = false;
-            goto done;
+    float * counts = malloc(sizeof(float) * (size_t) n_ff);
+    struct count_ref * refs = malloc(sizeof(*refs) * (size_t) n_ff);
+    bool ok = counts && refs;
+    memset(values, 0, sizeof(double) * (size_t) n_layer * n_groups);
+    for (int32_t il = 0; ok && il < n_layer; ++il) {
+        if (!(ok = pi_model_act_counts(model, il, counts))) {
+            break;
         }
-        struct count_ref * o = order + (size_t) il * n_ff;
-        for (int32_t i = 0; i < n_ff; ++i) o[i] = (struct count_ref) { counts[i], i };
-        qsort(o, (size_t) n_ff, sizeof(*o), cmp_count_ref);
-        for (int32_t i = 0; i < n_ff; ++i) values[(size_t) il * n_groups + i / PI_OFFLOAD_GROUP] += o[i].c;
-        cost[il] = pi_offload_group_cost(model, il);
-        maxg[il] = n_groups;
+        for (int32_t i = 0; i < n_ff; ++i) refs[i] = (struct count_ref) { counts[i], i };
+        qsort(refs, (size_t) n_ff, sizeof(*refs), cmp_count_ref);
+        for (int32_t i = 0; i < n_ff; ++i) {
+            order[(size_t) il * n_ff + i] = refs[i].i;
+            values[(size_t) il * n_groups + i / PI_OFFLOAD_GROUP] += refs[i].c;
+        }
     }
-    if ((rc = powerinfer_place_groups(n_layer, n_groups, values, cost, maxg, capacity, chosen)) != POWERINFER_OK) {
-        goto done;
+    free(counts);
+    free(refs);
+    return ok;
+}
+
+static void release_ffn(struct powerinfer_model * model) {
+    struct pi_placement * pl = &model->placement;
+    pi_offload_free_ffn(&model->offload, model->hp.n_layer);
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        pl->devs[d].bytes_ffn = 0;
+        pl->devs[d].n_hot = 0;
     }
+}
+
+// Copies is_hot's rows to the layers' devices and measures again.
+static int32_t copy_ffn(struct powerinfer_model * model, const struct pi_placement_host * host, uint8_t ** is_hot,
+                        const int8_t * layer_dev) {
+    struct pi_placement * pl = &model->placement;
+    struct pi_device devs[PI_MAX_DEVICES];
+    for (int32_t d = 0; d < pl->n_dev; ++d) devs[d] = pl->devs[d].dev;
+    int32_t rc = pi_offload_ffn(model, devs, is_hot, layer_dev);
+    for (int32_t d = 0; d < pl->n_dev; ++d) pl->devs[d].bytes_ffn = pi_offload_ffn_bytes(&model->offload, d);
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        const struct pi_offload_layer * ol = &model->offload.layers[il];
+        if (ol->n_hot > 0) pl->devs[ol->dev].n_hot += ol->n_hot;
+    }
+    return rc == POWERINFER_OK ? remeasure(pl, host) : rc;
+}
+
+// A layer split's FFN rows: every neuron of the layers the plan puts on a device.
+static int32_t place_layer_rows(struct powerinfer_model * model, const struct pi_placement_host * host,
+                                const struct pi_plan * plan, uint8_t ** is_hot) {
+    const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
+    bool any = false;
     for (int32_t il = 0; il < n_layer; ++il) {
-        memset(is_hot[il], 0, (size_t) n_ff);
-        const int32_t k = chosen[il] * PI_OFFLOAD_GROUP < n_ff ? chosen[il] * PI_OFFLOAD_GROUP : n_ff;
-        for (int32_t j = 0; j < k; ++j) is_hot[il][order[(size_t) il * n_ff + j].i] = 1;
+        const bool on = plan->ffn[il] >= 0 && layer_ffn_as_rows(model, il);
+        memset(is_hot[il], on ? 1 : 0, (size_t) n_ff);
+        any |= on;
     }
-done:
-    free(counts); free(order); free(values); free(cost); free(maxg); free(chosen);
-    return rc;
+    return any ? copy_ffn(model, host, is_hot, plan->ffn) : POWERINFER_OK;
 }
 
-// Device bytes the solver counts for n_hot[il] neurons per layer (before alignment).
-static uint64_t ffn_cost(const struct powerinfer_model * model, const int64_t * n_hot) {
-    uint64_t total = 0;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        total += (uint64_t) ((n_hot[il] + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP) * pi_offload_group_cost(model, il);
-    }
-    return total;
-}
-
-static uint64_t ffn_cost_of_sets(const struct powerinfer_model * model, uint8_t * const * is_hot) {
-    int64_t n_hot[PI_MAX_LAYERS];
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        n_hot[il] = 0;
-        for (int32_t i = 0; i < model->hp.n_ff; ++i) n_hot[il] += is_hot[il][i];
-    }
-    return ffn_cost(model, n_hot);
-}
-
-static uint64_t placement_total(const struct pi_placement * pl) {
-    return pl->bytes_dense + pl->bytes_kv + pl->bytes_compute + pl->bytes_ffn;
-}
-
-// What the device holds now: the placed weights, the deciding context's KV cache and
-// compute buffers while it exists, and the later contexts' compute buffers.
-static uint64_t device_in_use(const struct pi_placement * pl) {
-    return pl->bytes_dense + pl->bytes_ffn + (pl->first_alive ? pl->bytes_kv + pl->bytes_compute : 0) + pl->bytes_contexts;
-}
-
-int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes) {
-    struct pi_placement * pl = &model->placement;
-    *device_bytes = 0;
-    uint64_t need = 0;
-    int32_t rc = host->measure_compute(host->self, &need);
-    if (rc != POWERINFER_OK) {
-        return rc;
-    }
-    const uint64_t used = device_in_use(pl);
-    if (used + need > pl->budget) {
-        host->drop_scheduler(host->self);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY,
-                       "this context's compute buffers need %.1f MiB of device memory, but the model's %.1f MiB budget "
-                       "has %.1f MiB left (its placement and other contexts hold the rest); use a smaller n_batch or "
-                       "n_ctx, free another context, or load the model with a larger budget",
-                       need / 1048576.0, pl->budget / 1048576.0, (used < pl->budget ? pl->budget - used : 0) / 1048576.0);
-    }
-    pl->bytes_contexts += need;
-    *device_bytes = need;
-    return POWERINFER_OK;
-}
-
-void pi_placement_release(struct powerinfer_model * model, bool first, uint64_t device_bytes) {
-    struct pi_placement * pl = &model->placement;
-    if (first) {
-        pl->first_alive = false;
-    }
-    pl->bytes_contexts -= device_bytes < pl->bytes_contexts ? device_bytes : pl->bytes_contexts;
-}
-
-// Re-measures the compute buffers with what is placed now.
-static int32_t remeasure(struct pi_placement * pl, const struct pi_placement_host * host) {
-    return host->measure_compute(host->self, &pl->bytes_compute);
-}
-
-// 7: the FFN neurons with what the budget leaves (pl->active, dense classes all placed).
-// The gpuidx cache is reused for the same capacity; when the compute buffers grow with
-// the FFN rows, the excess is given up and the sets are solved again.
-static int32_t place_ffn(struct powerinfer_model * model, const struct pi_placement_host * host, uint8_t ** is_hot) {
+// 7 (hybrid): the hottest neurons with what each device has left. A single device's sets
+// are reused from the gpuidx cache for the same capacity; when the compute buffers grow
+// with the rows, a device's excess is given up and the sets are solved again.
+static int32_t place_hot_rows(struct powerinfer_model * model, const struct pi_placement_host * host,
+                              const struct pi_plan_input * in, const struct pi_plan * plan, uint8_t ** is_hot) {
     static const char * const tag = "powerinfer: placement";
     struct pi_placement * pl = &model->placement;
     const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
-    // The compute buffers are measured now; keep a little for their growth with the
-    // FFN rows (the loop below re-measures and shrinks if that was not enough).
-    const uint64_t fixed = placement_total(pl) + pl->bytes_compute / 64 + (64u << 10);
-    uint64_t capacity = pl->budget > fixed ? pl->budget - fixed : 0;
-    const uint64_t capacity0 = capacity;  // the cache's key: what the first attempt had
-    bool solved = false;
+    const int32_t n_groups = (n_ff + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP;
+    int32_t * order  = malloc(sizeof(int32_t) * (size_t) n_layer * n_ff);
+    double *  values = malloc(sizeof(double) * (size_t) n_layer * n_groups);
+    int32_t * chosen = malloc(sizeof(int32_t) * (size_t) n_layer);
+    int32_t rc = POWERINFER_OK;
+    if (!order || !values || !chosen) {
+        rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory in placement");
+        goto done;
+    }
+    const bool have_counts = sorted_counts(model, order, values);
+    uint64_t capacity[PI_MAX_DEVICES] = { 0 };
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        // The compute buffers are measured now; keep a little for their growth with the rows
+        // (the loop below measures again and shrinks if that was not enough).
+        const uint64_t fixed = device_total(&pl->devs[d]) + pl->devs[d].bytes_compute / 64 + (64u << 10);
+        capacity[d] = pl->devs[d].budget > fixed ? pl->devs[d].budget - fixed : 0;
+    }
+    const uint64_t capacity0 = capacity[0];  // the cache's key: what the first attempt had
     char path[4096];
     snprintf(path, sizeof(path), "%s.generated.gpuidx", model->path);
-    int32_t rc = POWERINFER_OK;
-    for (int attempt = 0; attempt < 4 && capacity > 0 && rc == POWERINFER_OK; ++attempt) {
-        bool have_counts = true;
+    const bool cache = pl->n_dev == 1;  // PowerInfer's file holds one device's sets
+    bool solved = false;
+    for (int attempt = 0; attempt < 4 && rc == POWERINFER_OK; ++attempt) {
         uint64_t cap_file = 0;
         pl->from_cache = false;
-        if (attempt == 0 && !model->params.reset_gpu_index && access(path, F_OK) == 0 &&
+        if (cache && attempt == 0 && !model->params.reset_gpu_index && access(path, F_OK) == 0 &&
             pi_gpuidx_read(model, path, &cap_file, is_hot) == POWERINFER_OK) {
+            int64_t n_hot = 0;
+            for (int32_t il = 0; il < n_layer; ++il) for (int32_t i = 0; i < n_ff; ++i) n_hot += is_hot[il][i];
             // Reused only for the same capacity and when its rows fit it.
-            pl->from_cache = cap_file == capacity && ffn_cost_of_sets(model, is_hot) <= capacity;
+            uint64_t need = 0;
+            for (int32_t il = 0; il < n_layer; ++il) {
+                int64_t k = 0;
+                for (int32_t i = 0; i < n_ff; ++i) k += is_hot[il][i];
+                need += (uint64_t) ((k + PI_OFFLOAD_GROUP - 1) / PI_OFFLOAD_GROUP) * in->dev[0].layers[il].group;
+            }
+            pl->from_cache = cap_file == capacity[0] && need <= capacity[0] && n_hot >= 0;
             if (!pl->from_cache) {
                 pi_log(POWERINFER_LOG_INFO, "%s: %s is for %.1f MiB, now %.1f MiB: solving again\n", tag, path,
-                       cap_file / 1048576.0, capacity / 1048576.0);
+                       cap_file / 1048576.0, capacity[0] / 1048576.0);
             }
         }
         pi_clear_error();
         if (!pl->from_cache) {
-            if ((rc = solve_ffn(model, capacity, is_hot, &have_counts)) != POWERINFER_OK) break;
-            solved = have_counts;
             if (!have_counts) {
                 pi_log(POWERINFER_LOG_WARN, "%s: the model has no activation counts (blk.N.ffn_act_count; "
                        "`powerinfer profile` makes them); FFN stays on the CPU\n", tag);
                 break;
             }
+            if ((rc = pi_plan_ffn(in, plan, n_groups, values, capacity, chosen)) != POWERINFER_OK) break;
+            for (int32_t il = 0; il < n_layer; ++il) {
+                memset(is_hot[il], 0, (size_t) n_ff);
+                const int32_t k = chosen[il] * PI_OFFLOAD_GROUP < n_ff ? chosen[il] * PI_OFFLOAD_GROUP : n_ff;
+                for (int32_t j = 0; j < k; ++j) is_hot[il][order[(size_t) il * n_ff + j]] = 1;
+            }
+            solved = true;
         }
-        if ((rc = pi_offload_ffn(model, &pl->device, is_hot)) != POWERINFER_OK) break;
-        pl->bytes_ffn = pi_offload_ffn_bytes(&model->offload);
-        if ((rc = remeasure(pl, host)) != POWERINFER_OK) break;
-        if (placement_total(pl) <= pl->budget) break;
-        // The compute buffers grew with the FFN rows: give up the excess and solve again.
-        const uint64_t excess = placement_total(pl) - pl->budget;
-        pi_log(POWERINFER_LOG_INFO, "%s: %.2f MiB over the budget, shrinking the FFN share\n", tag, excess / 1048576.0);
-        // What the solver counted for the placed sets; the buffer's size above it is alignment.
-        int64_t n_hot[PI_MAX_LAYERS];
-        for (int32_t il = 0; il < n_layer; ++il) n_hot[il] = model->offload.layers[il].n_hot;
-        const uint64_t est = ffn_cost(model, n_hot);
-        const uint64_t cut = excess + pi_offload_group_cost(model, 0) + (pl->bytes_ffn > est ? pl->bytes_ffn - est : 0);
-        capacity = capacity > cut ? capacity - cut : 0;
-        pi_offload_free_ffn(&model->offload, n_layer);
-        pl->bytes_ffn = 0;
-        for (int32_t il = 0; il < n_layer; ++il) memset(is_hot[il], 0, (size_t) n_ff);
+        if ((rc = copy_ffn(model, host, is_hot, plan->ffn)) != POWERINFER_OK) break;
+        if (!over_budget(pl)) break;
+        // The compute buffers grew with the rows: each device over its budget gives up the
+        // excess (and a group for alignment), and the sets are solved again.
+        for (int32_t d = 0; d < pl->n_dev; ++d) {
+            const struct pi_placement_device * pd = &pl->devs[d];
+            if (device_total(pd) <= pd->budget) continue;
+            const uint64_t cut = device_total(pd) - pd->budget + pi_offload_group_cost(model, 0) + 4096;
+            pi_log(POWERINFER_LOG_INFO, "%s: %s is %.2f MiB over its budget, shrinking its FFN share\n", tag, pd->dev.name,
+                   (device_total(pd) - pd->budget) / 1048576.0);
+            capacity[d] = capacity[d] > cut ? capacity[d] - cut : 0;
+        }
+        release_ffn(model);
         pl->from_cache = false;
     }
-    if (rc == POWERINFER_OK && placement_total(pl) > pl->budget) {
-        pi_offload_free_ffn(&model->offload, n_layer);
-        pl->bytes_ffn = 0;
+    if (rc == POWERINFER_OK && over_budget(pl)) {
+        release_ffn(model);
         rc = remeasure(pl, host);
     }
-    if (rc == POWERINFER_OK && solved) {
+    if (rc == POWERINFER_OK && cache && solved && pl->devs[0].bytes_ffn > 0) {
         // The sets placed, under the first attempt's capacity: the next load with the same
         // budget and context reuses them at once.
         for (int32_t il = 0; il < n_layer; ++il) {
@@ -463,7 +455,42 @@ static int32_t place_ffn(struct powerinfer_model * model, const struct pi_placem
             pi_clear_error();
         }
     }
+done:
+    free(order); free(values); free(chosen);
     return rc;
+}
+
+// Back to the plain CPU path: every copy freed, the KV cache in host memory.
+static int32_t undo(struct powerinfer_model * model, const struct pi_placement_host * host, struct pi_dense_item * items,
+                    int32_t n_items) {
+    struct pi_placement * pl = &model->placement;
+    host->drop_scheduler(host->self);
+    pi_offload_free_ffn(&model->offload, model->hp.n_layer);
+    pi_offload_undo_dense(model, items, n_items);
+    bool kv = false;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        kv |= pl->devs[d].bytes_kv > 0;
+        pl->devs[d].bytes_dense = pl->devs[d].bytes_kv = pl->devs[d].bytes_compute = pl->devs[d].bytes_ffn = 0;
+        pl->devs[d].n_layers_attn = 0;
+        pl->devs[d].n_hot = 0;
+    }
+    pl->active = false;
+    return kv ? host->move_kv(host->self, NULL) : POWERINFER_OK;
+}
+
+static void log_placement(const struct powerinfer_model * model) {
+    const struct pi_placement * pl = &model->placement;
+    const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        const struct pi_placement_device * pd = &pl->devs[d];
+        pi_log(POWERINFER_LOG_INFO,
+               "powerinfer: placement (%s): %s: attention of %d/%d layers, KV %.1f MiB, FFN %.1f%% of neurons%s; "
+               "%.1f of %.1f MiB (dense %.1f, KV %.1f, compute %.1f, FFN %.1f)\n",
+               pl->mode == PI_PLAN_LAYERS ? "layer split" : "hybrid", pd->dev.name, pd->n_layers_attn, n_layer,
+               pd->bytes_kv / 1048576.0, 100.0 * pd->n_hot / ((double) n_layer * n_ff),
+               pl->from_cache ? " (from the gpuidx cache)" : "", device_total(pd) / 1048576.0, pd->budget / 1048576.0,
+               pd->bytes_dense / 1048576.0, pd->bytes_kv / 1048576.0, pd->bytes_compute / 1048576.0, pd->bytes_ffn / 1048576.0);
+    }
 }
 
 int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_placement_host * host) {
@@ -473,108 +500,119 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
         return POWERINFER_OK;
     }
     pl->decided = true;
-    const int64_t exact = model->params.vram_budget_bytes;
-    const float gib = model->params.vram_budget_gib;
-    const bool emulate = model->params.emulate_device || env_flag("POWERINFER_EMULATE_DEVICE");
-    if (exact <= 0 && gib == 0.0f && !emulate) {
+    const struct powerinfer_model_params * mp = &model->params;
+    const int32_t n_emulated = env_count("POWERINFER_EMULATE_DEVICE") ? env_count("POWERINFER_EMULATE_DEVICE")
+                                                                      : mp->emulate_device ? 1 : 0;
+    const bool nothing = (mp->vram_budget_bytes <= 0 && mp->vram_budget_gib == 0.0f && !mp->device_budgets) ||
+                         mp->split_mode == POWERINFER_SPLIT_NONE;
+    if (nothing && !(mp->rpc_servers && *mp->rpc_servers && mp->split_mode != POWERINFER_SPLIT_NONE)) {
         return POWERINFER_OK;  // no device wanted
     }
-    pi_device_find(&pl->device, emulate);
-    if (!pl->device.buft) {
+    struct pi_device devs[PI_MAX_DEVICES];
+    const int32_t n_dev = pi_devices_open(devs, PI_MAX_DEVICES, n_emulated, mp->rpc_servers);
+    if (n_dev < 0) {
+        return n_dev;  // an RPC worker that cannot be reached: the load fails, naming it
+    }
+    if (n_dev == 0) {
         pi_log(POWERINFER_LOG_INFO, "%s: no GPU backend in this ggml build (%s); running on the CPU\n", tag,
                ggml_backend_dev_count() > 0 ? "CPU only" : "no devices");
         return POWERINFER_OK;
     }
-    if (exact > 0) {
-        pl->budget = (uint64_t) exact;
-    } else if (gib < 0.0f) {
-        const uint64_t free_b = pi_device_free_memory(&pl->device);
-        pl->budget = free_b > PI_DEVICE_MARGIN ? free_b - PI_DEVICE_MARGIN : 0;
-    } else {
-        pl->budget = (uint64_t) floor((double) gib * (double) (1ull << 30));
+    pl->n_dev = n_dev;
+    pl->mode  = plan_mode(model);
+    uint64_t any_budget = 0;
+    for (int32_t d = 0; d < n_dev; ++d) {
+        pl->devs[d].dev    = devs[d];
+        pl->devs[d].budget = device_budget(mp, &devs[d], d);
+        any_budget |= pl->devs[d].budget;
+        pi_log(POWERINFER_LOG_INFO, "%s: device %s, budget %.1f MiB\n", tag, devs[d].name, pl->devs[d].budget / 1048576.0);
     }
-    pi_log(POWERINFER_LOG_INFO, "%s: device %s, budget %.1f MiB\n", tag, pl->device.name, pl->budget / 1048576.0);
-    if (pl->budget == 0) {
+    if (any_budget == 0) {
         return POWERINFER_OK;
     }
 
-    // Compute-buffer estimate from the CPU-only reservation (the device share is at most
-    // the whole graph's), with slack for the inputs the scheduler copies across.
+    // Compute-buffer estimate from the CPU-only reservation (a device's share is at most the
+    // whole graph's), with slack for the inputs the scheduler copies across.
     const uint64_t c_est = host->compute_estimate;
     const uint64_t slack = c_est / 32 + (64u << 10);
-
-    // 1-4: dense classes, whole groups, in order, until one does not fit.
     struct pi_dense_item * items = malloc(sizeof(*items) * PI_MAX_DENSE);
+    struct pi_plan_sizes * sizes = malloc(sizeof(*sizes));
+    struct pi_plan_input * in = malloc(sizeof(*in));
+    struct pi_plan *       plan = malloc(sizeof(*plan));
     uint8_t ** is_hot = calloc((size_t) model->hp.n_layer, sizeof(uint8_t *));
-    if (!items || !is_hot) {
-        free(items);
-        free(is_hot);
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+    int32_t n_items = 0, rc = POWERINFER_OK;
+    if (!items || !sizes || !in || !plan || !is_hot) {
+        rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+        goto done;
     }
-    const int32_t n_all   = collect_dense(model, items);
-    const int32_t n_items = fit_dense(model, &pl->device, items, n_all, pl->budget, c_est + slack);
-    const bool dense_all = n_items == n_all;
-    int32_t rc = pi_offload_dense(model, &pl->device, items, n_items);
-    pl->bytes_dense = pi_offload_dense_bytes(&model->offload);
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        pl->n_layers_attn += pi_offload_holds(&model->offload, model->layers[il].wo);
-    }
-
-    // 5: the KV cache.
-    if (rc == POWERINFER_OK && dense_all && pl->bytes_dense + host->kv_bytes + c_est + slack <= pl->budget) {
-        rc = host->move_kv(host->self, pl->device.buft, &pl->bytes_kv);
-        if (rc != POWERINFER_OK) {
-            pl->bytes_kv = 0;
-            rc = host->move_kv(host->self, NULL, NULL);
+        if (!(is_hot[il] = calloc((size_t) model->hp.n_ff, 1))) {
+            rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
+            goto done;
         }
     }
-    pl->active = rc == POWERINFER_OK && (n_items > 0 || pl->bytes_kv > 0);
+
+    // 1-5 (or the layer split): the plan, then the dense copies and the KV cache.
+    n_items = collect_dense(model, pl->mode, items);
+    if ((rc = plan_input(model, host, pl->mode, items, n_items, c_est + slack, sizes, in)) != POWERINFER_OK ||
+        (rc = pi_plan_solve(in, plan)) != POWERINFER_OK) {
+        goto done;
+    }
+    int32_t n_placed = 0;
+    for (int32_t i = 0; i < n_items; ++i) {
+        const struct pi_dense_item * it = &items[i];
+        switch (it->cls) {
+            case PI_ITEM_ATTN:     items[i].dev = plan->attn[it->layer]; break;
+            case PI_ITEM_PRED:     items[i].dev = plan->pred[it->layer]; break;
+            case PI_ITEM_FFN_NORM: items[i].dev = plan->ffn_norm[it->layer]; break;
+            case PI_ITEM_FFN:      items[i].dev = plan->ffn[it->layer]; break;
+            case PI_ITEM_OUTPUT:   items[i].dev = plan->output; break;
+        }
+        n_placed += items[i].dev >= 0;
+    }
+    bool kv_planned = false;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) kv_planned |= plan->kv[il] >= 0;
+    if (n_placed == 0 && !kv_planned) {
+        pi_log(POWERINFER_LOG_INFO, "%s: nothing fits in the devices' budgets (the compute buffers alone take about "
+               "%.1f MiB each); running on the CPU\n", tag, (c_est + slack) / 1048576.0);
+        goto done;
+    }
+    rc = pi_offload_dense(model, devs, items, n_items);
+    for (int32_t d = 0; d < n_dev; ++d) pl->devs[d].bytes_dense = pi_offload_dense_bytes(&model->offload, d);
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        if (plan->attn[il] >= 0) pl->devs[plan->attn[il]].n_layers_attn++;
+    }
+    if (rc == POWERINFER_OK) rc = move_kv(model, host, plan);
+    pl->active = rc == POWERINFER_OK;
 
     // 6: the compute buffers as the scheduler lays them out.
-    if (pl->active) {
-        rc = remeasure(pl, host);
-    }
-    if (rc == POWERINFER_OK && pl->active && placement_total(pl) > pl->budget) {
-        pi_log(POWERINFER_LOG_WARN, "%s: the compute buffers (%.1f MiB) do not fit next to the dense weights; nothing placed\n",
-               tag, pl->bytes_compute / 1048576.0);
+    if (pl->active) rc = remeasure(pl, host);
+    if (rc == POWERINFER_OK && pl->active && over_budget(pl)) {
+        pi_log(POWERINFER_LOG_WARN, "%s: the compute buffers do not fit next to the dense weights; nothing placed\n", tag);
         pl->active = false;
     }
 
-    // 7: FFN neurons with what is left.
+    // 7: FFN neurons (a layer split's whole FFNs; the hybrid's hottest ones).
     const int32_t mode = model->hp.sparse_mode;
-    const int32_t n_layer = model->hp.n_layer, n_ff = model->hp.n_ff;
-    for (int32_t il = 0; rc == POWERINFER_OK && il < n_layer; ++il) {
-        if (!(is_hot[il] = calloc((size_t) n_ff, 1))) rc = pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory");
-    }
-    if (rc == POWERINFER_OK && pl->active && dense_all &&
-        (mode == POWERINFER_SPARSE_GATE || mode == POWERINFER_SPARSE_PREDICTOR)) {
-        rc = place_ffn(model, host, is_hot);
-    }
-    for (int32_t il = 0; il < n_layer; ++il) free(is_hot[il]);
-    free(is_hot);
-
-    if (rc == POWERINFER_OK && n_items == 0) {
-        pi_log(POWERINFER_LOG_INFO, "%s: nothing fits in %.1f MiB (the compute buffers alone take about %.1f MiB); "
-               "running on the CPU\n", tag, pl->budget / 1048576.0, (c_est + slack) / 1048576.0);
-    }
-    if (rc != POWERINFER_OK || !pl->active || placement_total(pl) > pl->budget) {
-        // Nothing (more) on the device: back to the plain CPU path.
-        host->drop_scheduler(host->self);
-        pi_offload_free_ffn(&model->offload, n_layer);
-        pi_offload_undo_dense(model, items, n_items);
-        if (pl->bytes_kv) {
-            const int32_t rc_kv = host->move_kv(host->self, NULL, NULL);
-            rc = rc != POWERINFER_OK ? rc : rc_kv;
+    if (rc == POWERINFER_OK && pl->active) {
+        if (pl->mode == PI_PLAN_LAYERS) {
+            rc = place_layer_rows(model, host, plan, is_hot);
+        } else if (plan->dense_all && (mode == POWERINFER_SPARSE_GATE || mode == POWERINFER_SPARSE_PREDICTOR)) {
+            rc = place_hot_rows(model, host, in, plan, is_hot);
         }
-        pl->bytes_dense = pl->bytes_kv = pl->bytes_compute = pl->bytes_ffn = 0;
-        pl->n_layers_attn = 0;
-        pl->active = false;
-        free(items);
-        return rc;
     }
-    free(items);
-    // A predictor now on the device is not read from its packed host copy any more.
-    for (int32_t il = 0; il < n_layer; ++il) {
+    for (int32_t d = 0; rc == POWERINFER_OK && d < n_dev; ++d) {
+        if (pi_device_failed(&devs[d])) {
+            rc = pi_fail(POWERINFER_ERR_IO, "RPC worker %s stopped answering while the model was placed", devs[d].name);
+        }
+    }
+    if (rc != POWERINFER_OK || !pl->active || over_budget(pl)) {
+        const int32_t rc_undo = undo(model, host, items, n_items);
+        rc = rc != POWERINFER_OK ? rc : rc_undo;
+        goto done;
+    }
+    // A predictor now on a device is not read from its packed host copy any more.
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
         struct ggml_tensor ** p[2] = { &l->fc1_p, &l->fc2_p };
         const struct ggml_tensor * w[2] = { l->fc1, l->fc2 };
@@ -585,21 +623,83 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
             }
         }
     }
-    int64_t n_hot = 0;
-    for (int32_t il = 0; il < n_layer; ++il) n_hot += model->offload.layers[il].n_hot;
-    pi_log(POWERINFER_LOG_INFO,
-           "%s: %s: attention of %d/%d layers, KV %s, FFN %.1f%% of neurons%s; %.1f of %.1f MiB "
-           "(dense %.1f, KV %.1f, compute %.1f, FFN %.1f)\n",
-           tag, pl->device.name, pl->n_layers_attn, n_layer, pl->bytes_kv ? "on the device" : "on the host",
-           100.0 * n_hot / ((double) n_layer * n_ff), pl->from_cache ? " (from the gpuidx cache)" : "",
-           placement_total(pl) / 1048576.0, pl->budget / 1048576.0, pl->bytes_dense / 1048576.0, pl->bytes_kv / 1048576.0,
-           pl->bytes_compute / 1048576.0, pl->bytes_ffn / 1048576.0);
+    log_placement(model);
+done:
+    for (int32_t il = 0; is_hot && il < model->hp.n_layer; ++il) free(is_hot[il]);
+    free(is_hot);
+    free(items); free(sizes); free(in); free(plan);
+    if (!pl->active) {
+        // The devices stay open only while something is on them.
+        for (int32_t d = 0; d < pl->n_dev; ++d) pi_device_free(&pl->devs[d].dev);
+        memset(pl->devs, 0, sizeof(pl->devs));
+        pl->n_dev = 0;
+    }
+    return rc;
+}
+
+int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes) {
+    struct pi_placement * pl = &model->placement;
+    memset(device_bytes, 0, sizeof(uint64_t) * PI_MAX_DEVICES);
+    uint64_t need[PI_MAX_DEVICES] = { 0 };
+    int32_t rc = host->measure_compute(host->self, need);
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        const struct pi_placement_device * pd = &pl->devs[d];
+        const uint64_t used = device_in_use(pl, pd);
+        if (used + need[d] > pd->budget) {
+            host->drop_scheduler(host->self);
+            return pi_fail(POWERINFER_ERR_NO_MEMORY,
+                           "this context's compute buffers need %.1f MiB of %s, but the model's %.1f MiB budget there "
+                           "has %.1f MiB left (its placement and other contexts hold the rest); use a smaller n_batch or "
+                           "n_ctx, free another context, or load the model with a larger budget",
+                           need[d] / 1048576.0, pd->dev.name, pd->budget / 1048576.0,
+                           (used < pd->budget ? pd->budget - used : 0) / 1048576.0);
+        }
+    }
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        pl->devs[d].bytes_contexts += need[d];
+        device_bytes[d] = need[d];
+    }
     return POWERINFER_OK;
+}
+
+void pi_placement_release(struct powerinfer_model * model, bool first, const uint64_t * device_bytes) {
+    struct pi_placement * pl = &model->placement;
+    if (first) {
+        pl->first_alive = false;
+    }
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        struct pi_placement_device * pd = &pl->devs[d];
+        pd->bytes_contexts -= device_bytes[d] < pd->bytes_contexts ? device_bytes[d] : pd->bytes_contexts;
+    }
+}
+
+int32_t pi_placement_check(struct powerinfer_model * model) {
+    struct pi_placement * pl = &model->placement;
+    for (int32_t d = 0; !pl->failed && d < pl->n_dev; ++d) {
+        if (pi_device_failed(&pl->devs[d].dev)) {
+            pl->failed = true;
+            pi_log(POWERINFER_LOG_ERROR, "powerinfer: %s stopped answering; the model cannot compute any more\n",
+                   pl->devs[d].dev.name);
+        }
+    }
+    if (!pl->failed) {
+        return POWERINFER_OK;
+    }
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        if (pi_device_failed(&pl->devs[d].dev)) {
+            return pi_fail(POWERINFER_ERR_IO, "RPC worker %s stopped answering (it died or the network failed): this model "
+                           "cannot compute any more; load it again once the worker is back", pl->devs[d].dev.name);
+        }
+    }
+    return pi_fail(POWERINFER_ERR_IO, "an RPC worker of this model stopped answering: load the model again");
 }
 
 void pi_placement_free(struct powerinfer_model * model) {
     pi_offload_free(model);
-    pi_device_free(&model->placement.device);
+    for (int32_t d = 0; d < model->placement.n_dev; ++d) pi_device_free(&model->placement.devs[d].dev);
     memset(&model->placement, 0, sizeof(model->placement));
 }
 
@@ -613,19 +713,59 @@ int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct p
     const struct powerinfer_model * model = ctx->model;
     const struct pi_placement * pl = &model->placement;
     memset(out, 0, sizeof(*out));
-    snprintf(out->device, sizeof(out->device), "%s", pl->device.name[0] ? pl->device.name : "none");
-    out->active        = pl->active;
-    out->emulated      = pl->device.emulated;
-    out->from_cache    = pl->from_cache;
-    out->budget        = (int64_t) pl->budget;
-    out->bytes_dense   = (int64_t) pl->bytes_dense;
-    out->bytes_kv      = (int64_t) (pl->first_alive ? pl->bytes_kv : 0);
-    out->bytes_compute = (int64_t) ((pl->first_alive ? pl->bytes_compute : 0) + pl->bytes_contexts);
-    out->bytes_ffn     = (int64_t) pl->bytes_ffn;
-    out->bytes_total   = (int64_t) device_in_use(pl);
-    out->n_layers_attn = pl->n_layers_attn;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) out->n_hot += model->offload.layers[il].n_hot;
+    if (pl->n_dev == 1) snprintf(out->device, sizeof(out->device), "%s", pl->devs[0].dev.name);
+    else if (pl->n_dev > 1) snprintf(out->device, sizeof(out->device), "%d devices", pl->n_dev);
+    else snprintf(out->device, sizeof(out->device), "none");
+    out->n_devices  = pl->n_dev;
+    out->active     = pl->active;
+    out->emulated   = pl->n_dev > 0 && pl->devs[0].dev.emulated;
+    out->from_cache = pl->from_cache;
+    out->layer_split = pl->mode == PI_PLAN_LAYERS;
+    for (int32_t d = 0; d < pl->n_dev; ++d) {
+        const struct pi_placement_device * pd = &pl->devs[d];
+        out->budget        += (int64_t) pd->budget;
+        out->bytes_dense   += (int64_t) pd->bytes_dense;
+        out->bytes_kv      += (int64_t) (pl->first_alive ? pd->bytes_kv : 0);
+        out->bytes_compute += (int64_t) ((pl->first_alive ? pd->bytes_compute : 0) + pd->bytes_contexts);
+        out->bytes_ffn     += (int64_t) pd->bytes_ffn;
+        out->bytes_total   += (int64_t) device_in_use(pl, pd);
+        out->n_hot         += pd->n_hot;
+    }
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        out->n_layers_attn += pi_offload_holds(&model->offload, model->layers[il].wo ? model->layers[il].wo : model->layers[il].wqkv);
+    }
     out->n_neurons = (int64_t) model->hp.n_layer * model->hp.n_ff;
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_get_placement_device(const struct powerinfer_context * ctx, int32_t i, struct powerinfer_placement_device * out) {
+    pi_clear_error();
+    if (!ctx || !out) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_get_placement_device: NULL argument");
+    }
+    const struct pi_placement * pl = &ctx->model->placement;
+    if (i < 0 || i >= pl->n_dev) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "device %d is outside [0, %d)", i, pl->n_dev);
+    }
+    const struct pi_placement_device * pd = &pl->devs[i];
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s", pd->dev.name);
+    out->rpc           = pd->dev.rpc;
+    out->emulated      = pd->dev.emulated;
+    out->budget        = (int64_t) pd->budget;
+    out->bytes_dense   = (int64_t) pd->bytes_dense;
+    out->bytes_kv      = (int64_t) (pl->first_alive ? pd->bytes_kv : 0);
+    out->bytes_compute = (int64_t) ((pl->first_alive ? pd->bytes_compute : 0) + pd->bytes_contexts);
+    out->bytes_ffn     = (int64_t) pd->bytes_ffn;
+    out->bytes_total   = (int64_t) device_in_use(pl, pd);
+    out->n_layers_attn = pd->n_layers_attn;
+    out->n_hot         = pd->n_hot;
+    uint64_t free_b = 0, total_b = 0;
+    if (!pd->dev.emulated && !pl->failed) {
+        pi_device_memory(&pd->dev, &free_b, &total_b);
+    }
+    out->memory_free  = (int64_t) free_b;
+    out->memory_total = (int64_t) total_b;
     return POWERINFER_OK;
 }
 

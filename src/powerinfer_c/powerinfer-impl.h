@@ -9,6 +9,7 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "sparse_ops.h"
+#include "placement_plan.h"
 
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -81,77 +82,103 @@ struct pi_layer {
 };
 
 // ---- device.c ----
-// The device hybrid placement uses: a GPU backend's device, or a CPU buffer type
-// standing in for one (emulated). buft == NULL: no device.
+// A device placement may put weights, KV cache and hot rows on: a GPU or iGPU backend's
+// device, a device an RPC worker serves, or a CPU buffer standing in for one (emulated).
 struct pi_device {
-    bool                       emulated;
-    char                       name[128];
-    ggml_backend_t             backend;  // NULL when emulated
-    ggml_backend_buffer_type_t buft;     // where device tensors live
+    bool                       emulated;  // a CPU buffer (tests, machines without a GPU)
+    bool                       rpc;       // served by an RPC worker (ggml-rpc)
+    char                       name[128]; // "Vulkan0 (...)", "RPC0 (127.0.0.1:50052)", "CPU emulation"
+    ggml_backend_dev_t         dev;       // NULL when emulated
+    ggml_backend_t             backend;   // NULL when emulated
+    ggml_backend_buffer_type_t buft;      // where its tensors live
 };
 
-void     pi_device_find(struct pi_device * dev, bool emulate);
+// The devices placement may use, in order: n_emulated emulated ones (and nothing else), or
+// every GPU/iGPU in ggml's registry, then the devices of the RPC workers in rpc_servers
+// ("host:port,host:port"). Returns how many were opened into devs[0..max), or a negative
+// status (an RPC worker that cannot be reached, RPC missing from this ggml build).
+int32_t  pi_devices_open(struct pi_device * devs, int32_t max, int32_t n_emulated, const char * rpc_servers);
 void     pi_device_free(struct pi_device * dev);
-uint64_t pi_device_free_memory(const struct pi_device * dev);
+// What the device reports (the host's memory for emulated devices).
+void     pi_device_memory(const struct pi_device * dev, uint64_t * free_b, uint64_t * total_b);
 // Bytes a tensor of this shape takes in the device's buffer (alignment included).
 uint64_t pi_device_alloc_size(const struct pi_device * dev, const struct ggml_tensor * t);
+// An RPC device whose worker stopped answering (ggml-rpc with our patch; false otherwise).
+bool     pi_device_failed(const struct pi_device * dev);
 
 // ---- offload.c ----
 #define PI_OFFLOAD_GROUP 32  // device rows are placed in groups of this many neurons (Q8_0 block of the down copy)
 
-// FFN neurons of one layer on the device: compact copies of their rows, and the mask
-// the CPU side uses to skip them.
+// FFN neurons of one layer on a device: compact copies of their rows, and the mask the CPU
+// side uses to skip them.
 struct pi_offload_layer {
     int32_t              n_hot;   // neurons on the device
     int32_t              n_pad;   // compact rows (n_hot rounded up to PI_OFFLOAD_GROUP; padding rows are 0)
+    int8_t               dev;     // the device holding them
     uint8_t *            is_hot;  // [n_ff], 1 = on the device (PowerInfer's gpu_idx); NULL when n_hot == 0
     struct ggml_tensor * up, * gate; // [n_embd, n_pad], the weights' own type
     struct ggml_tensor * down;    // [n_pad, n_embd]: columns of the down projection (float types kept, else Q8_0)
     struct ggml_tensor * fc2;     // [r, n_pad] predictor rows of the hot neurons (predictor mode)
 };
 
-// The model's weights on the device.
+// The model's weights on the devices, one set of buffers per device.
 struct pi_offload {
-    struct ggml_context *   ctx_dense;   // copies of attention/predictor/norm/output weights
-    ggml_backend_buffer_t   buf_dense;
-    struct ggml_context *   ctx_ffn;     // compact hot rows
-    ggml_backend_buffer_t   buf_ffn;
+    struct ggml_context *   ctx_dense[PI_MAX_DEVICES];  // copies of attention/predictor/norm/output (and, split by
+    ggml_backend_buffer_t   buf_dense[PI_MAX_DEVICES];  // layers, dense FFN) weights
+    struct ggml_context *   ctx_ffn[PI_MAX_DEVICES];    // compact hot rows
+    ggml_backend_buffer_t   buf_ffn[PI_MAX_DEVICES];
     struct pi_offload_layer layers[PI_MAX_LAYERS];
 };
 
-// A model tensor pointer to redirect to a device copy; items of one group move together.
+// What a dense item is, for the plan (placement_plan.h's classes).
+enum pi_item_class { PI_ITEM_ATTN, PI_ITEM_PRED, PI_ITEM_FFN_NORM, PI_ITEM_OUTPUT, PI_ITEM_FFN };
+
+// A model tensor pointer to redirect to a device copy.
 struct pi_dense_item {
     struct ggml_tensor ** slot;
-    int32_t               group;
+    int32_t               layer;  // -1: the output classes
+    enum pi_item_class    cls;
+    int8_t                dev;    // the plan's device, PI_PLAN_HOST: stays
 };
 
-// Copies the items' tensors to the device and points the model at the copies.
-int32_t  pi_offload_dense(struct powerinfer_model * model, const struct pi_device * dev, struct pi_dense_item * items,
+// Copies the items' tensors to their devices and points the model at the copies.
+int32_t  pi_offload_dense(struct powerinfer_model * model, const struct pi_device * devs, struct pi_dense_item * items,
                           int32_t n_items);
 // Points the items back at the file's tensors and frees the dense copies.
 void     pi_offload_undo_dense(struct powerinfer_model * model, struct pi_dense_item * items, int32_t n_items);
-uint64_t pi_offload_dense_bytes(const struct pi_offload * off);
+uint64_t pi_offload_dense_bytes(const struct pi_offload * off, int32_t dev);
 bool     pi_offload_holds(const struct pi_offload * off, const struct ggml_tensor * t); // t is a dense device copy
 // Device bytes of one group of PI_OFFLOAD_GROUP neurons of layer il (before alignment).
 uint64_t pi_offload_group_cost(const struct powerinfer_model * model, int32_t il);
-// Copies the rows of the neurons in is_hot[il] ([n_ff] 0/1 per layer) into compact device tensors.
-int32_t  pi_offload_ffn(struct powerinfer_model * model, const struct pi_device * dev, uint8_t * const * is_hot);
-uint64_t pi_offload_ffn_bytes(const struct pi_offload * off);
+// Copies the rows of the neurons in is_hot[il] ([n_ff] 0/1 per layer) into compact tensors
+// on device layer_dev[il].
+int32_t  pi_offload_ffn(struct powerinfer_model * model, const struct pi_device * devs, uint8_t * const * is_hot,
+                        const int8_t * layer_dev);
+uint64_t pi_offload_ffn_bytes(const struct pi_offload * off, int32_t dev);
 void     pi_offload_free_ffn(struct pi_offload * off, int32_t n_layer);
 void     pi_offload_free(struct powerinfer_model * model);
 
 // ---- placement.c ----
-// The decision and its accounting (sizes in bytes), made for the model's first context.
-struct pi_placement {
-    bool             decided;     // placement was attempted (by the model's first context)
-    bool             active;      // something is on the device: contexts run through a scheduler
-    bool             from_cache;  // the FFN sets came from the gpuidx file
-    struct pi_device device;
+// One device's share of the placement (bytes).
+struct pi_placement_device {
+    struct pi_device dev;
     uint64_t         budget;
     uint64_t         bytes_dense, bytes_kv, bytes_compute, bytes_ffn;
-    bool             first_alive;    // the deciding context (bytes_kv, bytes_compute) still exists
-    uint64_t         bytes_contexts; // device compute buffers of the model's later contexts
-    int32_t          n_layers_attn; // layers whose attention weights are on the device
+    uint64_t         bytes_contexts; // compute buffers of the model's later contexts
+    int32_t          n_layers_attn;  // layers whose attention weights are here
+    int64_t          n_hot;          // FFN neurons here
+};
+
+// The decision and its accounting, made for the model's first context.
+struct pi_placement {
+    bool    decided;     // placement was attempted (by the model's first context)
+    bool    active;      // something is on a device: contexts run through a scheduler
+    bool    from_cache;  // the FFN sets came from the gpuidx file
+    bool    first_alive; // the deciding context (bytes_kv, bytes_compute) still exists
+    bool    failed;      // an RPC worker stopped answering: the model computes nothing more
+    int32_t mode;        // enum pi_plan_mode
+    int32_t n_dev;
+    struct pi_placement_device devs[PI_MAX_DEVICES];
 };
 
 // What placement needs from the context it places for; context.c implements it, so
@@ -159,23 +186,28 @@ struct pi_placement {
 struct pi_placement_host {
     void *   self;
     uint64_t compute_estimate; // bytes of the context's CPU-only compute buffer
-    uint64_t kv_bytes;         // bytes of its KV cache in host memory
-    // Re-creates the KV cache in buft (NULL: host memory); *bytes (may be NULL) gets its size.
-    int32_t (*move_kv)(void * self, ggml_backend_buffer_type_t buft, uint64_t * bytes);
-    // Re-creates the scheduler over what is placed now; *device_bytes gets the device's
-    // share of the compute buffers for the context's largest graph.
+    // Re-creates the KV cache with layer il's tensors in bufts[il] (NULL: host memory; bufts
+    // NULL: all in host memory). Contents are not kept (placement comes before any decode).
+    int32_t (*move_kv)(void * self, const ggml_backend_buffer_type_t * bufts);
+    // Bytes of layer il's KV cache tensors in buft (alignment included).
+    uint64_t (*kv_layer_bytes)(void * self, int32_t il, ggml_backend_buffer_type_t buft);
+    // Re-creates the scheduler over what is placed now; device_bytes[d] gets device d's
+    // share of the compute buffers of the context's largest graph.
     int32_t (*measure_compute)(void * self, uint64_t * device_bytes);
     void    (*drop_scheduler)(void * self);
 };
 
 // Decides and performs the placement (once per model; a no-op without a budget or a device).
 int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_placement_host * host);
-// A later context of a placed model: measures its compute buffers' device share into
-// *device_bytes and fails (nothing counted) when they do not fit in what the budget leaves.
+// A later context of a placed model: measures its compute buffers' device shares into
+// device_bytes[n_dev] and fails (nothing counted) when they do not fit in what the budgets leave.
 int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes);
 // A context goes away: its device bytes no longer count (first: it was the deciding one).
-void    pi_placement_release(struct powerinfer_model * model, bool first, uint64_t device_bytes);
+void    pi_placement_release(struct powerinfer_model * model, bool first, const uint64_t * device_bytes);
 void    pi_placement_free(struct powerinfer_model * model);
+// After a graph that used the devices: POWERINFER_OK, or POWERINFER_ERR_IO naming the RPC
+// worker that stopped answering (the model is marked failed: later decodes fail at once).
+int32_t pi_placement_check(struct powerinfer_model * model);
 // Per-neuron activation counts of layer il (set by powerinfer_model_set_act_counts, else
 // the file's blk.N.ffn_act_count) into out[n_ff]; false when there are none.
 bool    pi_model_act_counts(const struct powerinfer_model * model, int32_t il, float * out);
@@ -202,7 +234,10 @@ struct powerinfer_model {
     enum pi_arch         arch;
     char                 arch_name[64];
     struct pi_hparams    hp;
-    struct powerinfer_model_params params;
+    struct powerinfer_model_params params;  // its pointers point at the model's own copies:
+    char *               rpc_servers;       //   of rpc_servers,
+    float *              tensor_split;      //   tensor_split
+    int64_t *            device_budgets;    //   and device_budgets
 
     bool                  is_powerinfer; // PWRI magic
     struct gguf_context * gguf;     // metadata (no tensor data)
@@ -288,8 +323,11 @@ void    pi_vocab_free(struct powerinfer_model * model);
 #define PI_MAX_SEQ 64  // sequences of one context (a cell's sequence set is a 64-bit mask)
 
 struct pi_kv_cache {
-    struct ggml_context * ctx;
-    ggml_backend_buffer_t buf;
+    // The layers' tensors, one context and buffer per place they live (host memory first,
+    // then each device holding layers): [0, n_bufs).
+    struct ggml_context * ctx[PI_MAX_DEVICES + 1];
+    ggml_backend_buffer_t buf[PI_MAX_DEVICES + 1];
+    int32_t               n_bufs;
     struct ggml_tensor *  k[PI_MAX_LAYERS]; // [n_embd_k_gqa, n_ctx] f16, one row per cell
     struct ggml_tensor *  v[PI_MAX_LAYERS]; // [n_ctx, n_embd_v_gqa] f16 (transposed: one row per channel)
                                             // or [n_embd_v_gqa, n_ctx] with flash attention
@@ -302,9 +340,11 @@ struct pi_kv_cache {
     bool                  v_trans;
 };
 
-// buft: where the cache lives (NULL: host memory).
+// bufts[il]: where layer il's K and V live (NULL entry, or bufts NULL: host memory).
 int32_t pi_kv_cache_init(struct pi_kv_cache * kv, const struct powerinfer_model * model, uint32_t n_ctx, uint32_t n_seq_max,
-                         bool v_trans, ggml_backend_buffer_type_t buft);
+                         bool v_trans, const ggml_backend_buffer_type_t * bufts);
+// Bytes of the cache in all its buffers.
+uint64_t pi_kv_cache_bytes(const struct pi_kv_cache * kv);
 void    pi_kv_cache_free(struct pi_kv_cache * kv);
 // Largest position of sequence seq in the cache, -1 if it has none.
 int32_t pi_kv_seq_pos_max(const struct pi_kv_cache * kv, int32_t seq);
@@ -405,7 +445,7 @@ struct powerinfer_context {
     // Hybrid placement: the scheduler over [device, CPU] (or [CPU] when emulated).
     ggml_backend_sched_t sched;
     bool                 placed_first;  // this context decided the placement (its KV cache may be on the device)
-    uint64_t             device_bytes;  // a later context's compute buffers on the device, counted in the budget
+    uint64_t             device_bytes[PI_MAX_DEVICES];  // a later context's compute buffers on each device, counted in its budget
 
     // The last graph built; reused while the shapes stay the same (single-token decode
     // steps within one 256-cell span of the cache), which skips building and allocating.

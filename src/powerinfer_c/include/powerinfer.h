@@ -61,10 +61,18 @@ enum powerinfer_sparse_mode {
     POWERINFER_SPARSE_PREDICTOR = 3, // gate, up and down only where the predictor's logit > threshold
 };
 
+// How placement uses the devices (GPUs, iGPUs, RPC workers; docs/hybrid.md, docs/distributed.md).
+enum powerinfer_split_mode {
+    POWERINFER_SPLIT_AUTO   = 0, // layer split for a dense model given n_gpu_layers != 0, else hybrid
+    POWERINFER_SPLIT_HYBRID = 1, // PowerInfer's: dense weights, KV cache, then the hottest FFN neurons, device by device
+    POWERINFER_SPLIT_LAYER  = 2, // llama.cpp's -sm layer: the last n_gpu_layers layers, whole, by tensor_split
+    POWERINFER_SPLIT_NONE   = 3, // nothing on the devices
+};
+
 struct powerinfer_model_params {
     int32_t n_threads;      // threads used while loading and as the contexts' default; <= 0: all cores
-    float   vram_budget_gib;// device memory budget in GiB; < 0: automatic (used by hybrid placement)
-    int32_t n_gpu_layers;   // accepted for llama.cpp compatibility (hybrid placement decides)
+    float   vram_budget_gib;// memory budget of each device in GiB; < 0: automatic (free memory less a margin); 0: none
+    int32_t n_gpu_layers;   // layer split: layers on the devices, the last ones (< 0 or > the layers: all, and the output)
     bool    use_mmap;       // map the weights instead of reading them (default true)
     bool    use_repack;     // dense matmul weights in the CPU backend's repacked layouts, as llama.cpp (default true)
     bool    vocab_only;     // load only metadata and the vocabulary (any architecture); no context can be made
@@ -75,20 +83,28 @@ struct powerinfer_model_params {
     int64_t vram_budget_bytes; // > 0: the budget in bytes, exactly (overrides vram_budget_gib)
     bool    batch_weights;  // sparse modes: copies of the FFN rows the sparse path reads, in the CPU's fastest matmul
                             // layout, and ffn_down_t transposed back, for batches (prompt processing); default true
+    const char *    rpc_servers;     // "host:port,host:port": RPC workers (`powerinfer rpc-server`) whose devices placement uses
+    int32_t         split_mode;      // enum powerinfer_split_mode
+    const float *   tensor_split;    // layer split: the devices' relative shares of the layers (NULL: by their budgets)
+    int32_t         n_tensor_split;
+    const int64_t * device_budgets;  // per device, in bytes (overrides vram_budget_*; device order: GPUs, then RPC)
+    int32_t         n_device_budgets;
     bool    pack_dense;     // dense matmul weights that pack exactly (Q4_0, Q4_1, Q8_0: attention, the FFN in dense
                             // mode, the output) in PowerInfer's packed AVX-512 VNNI layout: each batch column
                             // computed alone (batch-invariant), several columns for little more than one; for
                             // batches of several sequences (ParallelLlama, the server's slots). Default false:
                             // ggml's kernels, bit for bit llama.cpp's. No effect without AVX-512 VNNI.
 };
-// What the hybrid placement put on the device (docs/hybrid.md). Sizes in bytes.
+// What the placement put on the devices (docs/hybrid.md), all devices together. Bytes.
 struct powerinfer_placement {
-    char    device[128];    // "none", "CPU emulation" or the ggml device name and description
-    bool    active;         // something is on the device
+    char    device[128];    // "none", the one device's ggml name and description ("CPU emulation"), or "N devices"
+    int32_t n_devices;      // powerinfer_get_placement_device tells each one's share
+    bool    active;         // something is on a device
     bool    emulated;
     bool    from_cache;     // the FFN sets came from <model>.generated.gpuidx
-    int64_t budget;
-    int64_t bytes_total;    // dense + kv + compute + ffn, never above budget
+    bool    layer_split;    // llama.cpp's layer split (else PowerInfer's hybrid)
+    int64_t budget;         // the devices' budgets, summed
+    int64_t bytes_total;    // dense + kv + compute + ffn, never above a device's budget on that device
     int64_t bytes_dense;    // attention, predictors, norms, output
     int64_t bytes_kv;
     int64_t bytes_compute;  // ggml scheduler's compute buffer on the device
@@ -96,6 +112,23 @@ struct powerinfer_placement {
     int32_t n_layers_attn;  // layers whose attention weights are on the device
     int64_t n_hot;          // FFN neurons on the device, all layers
     int64_t n_neurons;      // n_layer * n_ff
+};
+
+// One device's share of the placement (bytes): its budget is never exceeded.
+struct powerinfer_placement_device {
+    char    name[128];      // "RPC0 (127.0.0.1:50052)", "Vulkan0 (...)", "CPU emulation"
+    bool    rpc;
+    bool    emulated;
+    int64_t budget;
+    int64_t bytes_total;    // dense + kv + compute + ffn
+    int64_t bytes_dense;
+    int64_t bytes_kv;
+    int64_t bytes_compute;
+    int64_t bytes_ffn;
+    int32_t n_layers_attn;  // layers whose attention is here
+    int64_t n_hot;          // FFN neurons here
+    int64_t memory_free;    // what the device itself reports now (0 for an emulated one)
+    int64_t memory_total;
 };
 
 struct powerinfer_context_params {
@@ -400,7 +433,13 @@ POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); /
 // for the placement, instead of the model's blk.N.ffn_act_count. Before the first context.
 POWERINFER_API int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const float * counts,
                                                        int32_t n_layer, int32_t n_ff);
+// GPUs and integrated GPUs in the installed ggml's backend registry (RPC workers not counted):
+// 0 means hybrid placement has no local device (emulate_device, or rpc_servers, give it one).
+POWERINFER_API int32_t powerinfer_gpu_count(void);
 POWERINFER_API int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct powerinfer_placement * out);
+// Device i's share (0 <= i < n_devices of powerinfer_get_placement).
+POWERINFER_API int32_t powerinfer_get_placement_device(const struct powerinfer_context * ctx, int32_t i,
+                                                       struct powerinfer_placement_device * out);
 // Ids of layer il's neurons on the device (ascending); returns their number (ids may be NULL).
 POWERINFER_API int32_t powerinfer_layer_hot_neurons(const struct powerinfer_context * ctx, int32_t il, int32_t * ids, int32_t n_max);
 
