@@ -84,6 +84,7 @@ class Llama:
         split_mode: int = LLAMA_SPLIT_MODE_LAYER,
         main_gpu: int = 0,
         tensor_split: Optional[List[float]] = None,
+        rpc_servers: Optional[str] = None,
         vocab_only: bool = False,
         use_mmap: bool = True,
         use_mlock: bool = False,
@@ -134,7 +135,7 @@ class Llama:
         spm_infill: bool = False,
         verbose: bool = True,
         # PowerInfer-Py
-        vram_budget: Optional[float] = None,
+        vram_budget: Optional[Union[float, List[float]]] = None,
         sparse_mode: str = "auto",
         sparse_threshold: Optional[float] = None,
         fallback: bool = True,
@@ -149,7 +150,16 @@ class Llama:
         plus PowerInfer-Py's own:
 
         Args:
-            vram_budget: Device memory budget for hybrid placement, in GiB; None: automatic.
+            vram_budget: Memory budget of each device (GPU, iGPU, RPC worker) for the placement,
+                in GiB: one number for every device, or a list, one per device; None:
+                automatic (what each reports free, less a margin); 0: nothing on a device.
+            rpc_servers: "host:port,host:port": RPC workers (`powerinfer rpc-server`) whose
+                devices the placement uses, as llama-cpp-python's rpc_servers
+                (docs/distributed.md). split_mode: LLAMA_SPLIT_MODE_LAYER (the default) means
+                "auto": llama.cpp's layer split for a dense model given n_gpu_layers (the last
+                n_gpu_layers layers, -1 all, divided by tensor_split or the budgets), else
+                PowerInfer's hybrid placement; "hybrid", "layer" and "none" (or
+                LLAMA_SPLIT_MODE_NONE) choose.
             sparse_mode: Which FFN neurons are computed: "auto" (the best the model and
                 build allow), "dense" (all), "gate" (those whose gate fires), "predictor"
                 (those a trained predictor selects). "gate" and "predictor" need a file that
@@ -200,7 +210,8 @@ class Llama:
         self.verbose = verbose
         self.engine = ENGINE_POWERINFER
         _loading.check_arguments(sparse_mode=sparse_mode, sparse_threshold=sparse_threshold, vram_budget=vram_budget,
-                                n_ctx=n_ctx, n_batch=n_batch)
+                                n_ctx=n_ctx, n_batch=n_batch, split_mode=split_mode, tensor_split=tensor_split,
+                                rpc_servers=rpc_servers)
         self.sparse_mode = sparse_mode
         self.sparse_threshold = sparse_threshold
         self.vram_budget = vram_budget
@@ -229,7 +240,7 @@ class Llama:
                 n_threads=n_threads, vram_budget=vram_budget, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                 vocab_only=vocab_only, sparse_mode=sparse_mode, sparse_threshold=sparse_threshold,
                 emulate_device=emulate_device, reset_gpu_index=reset_gpu_index, repack=repack,
-                pack_dense=pack_dense,
+                pack_dense=pack_dense, split_mode=split_mode, tensor_split=tensor_split, rpc_servers=rpc_servers,
             ))  # fmt: skip
         except PowerInferError as e:
             if fallback and e.status == ERR_UNSUPPORTED:

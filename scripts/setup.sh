@@ -93,6 +93,18 @@ phase "llama-cpp-python $LLAMA_VERSION wheel: $WHEEL_DIR"
 note "CFLAGS=CXXFLAGS='$LLAMA_CFLAGS' CMAKE_ARGS='$LLAMA_CMAKE_ARGS'"
 mkdir -p "$WHEEL_DIR"
 
+# The sdist (sha256-checked, cached beside the models): the wheel is built from it.
+SDIST_DIR=$CACHE/sdist
+SDIST=$SDIST_DIR/llama_cpp_python-$LLAMA_VERSION.tar.gz
+ensure_sdist() {
+    if ! printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status 2>/dev/null; then
+        mkdir -p "$SDIST_DIR"
+        "${PIP[@]}" download --no-deps --no-binary :all: -d "$SDIST_DIR" "llama-cpp-python==$LLAMA_VERSION"
+        printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status || {
+            echo "error: $SDIST does not have the sha256 $LLAMA_SDIST_SHA256; delete it and run again" >&2; exit 1; }
+    fi
+}
+
 find_llama_wheel() {  # $1: folder. Its wheels are py3-none-<platform>: any Python 3 takes them.
     local w
     for w in "$1"/llama_cpp_python-"$LLAMA_VERSION"-*.whl; do
@@ -112,15 +124,8 @@ if [ -z "$WHEEL" ]; then
     note "building from source; the first build takes ~10 minutes (2 cores), later runs reuse it"
     tmp=$(mktemp -d "$WHEEL_DIR/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
-    # The sdist (sha256-checked, cached beside the models), our patches applied.
-    SDIST_DIR=$CACHE/sdist
-    SDIST=$SDIST_DIR/llama_cpp_python-$LLAMA_VERSION.tar.gz
-    if ! printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status 2>/dev/null; then
-        mkdir -p "$SDIST_DIR"
-        "${PIP[@]}" download --no-deps --no-binary :all: -d "$SDIST_DIR" "llama-cpp-python==$LLAMA_VERSION"
-        printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status || {
-            echo "error: $SDIST does not have the sha256 $LLAMA_SDIST_SHA256; delete it and run again" >&2; exit 1; }
-    fi
+    # The sdist, our patches applied.
+    ensure_sdist
     tar -xzf "$SDIST" -C "$tmp"
     if ! command -v patch >/dev/null; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -167,6 +172,20 @@ else
     echo "$want" >"$LLAMA_STAMP"
 fi
 
+# --------------------------------------------------------------------------- ggml's internal header
+# The RPC worker's memory cap (src/powerinfer_c/rpc_worker.c) wraps ggml's CPU device, whose
+# structs are in ggml-backend-impl.h, which llama-cpp-python does not install: take it from
+# the same sdist (CMakeLists.txt looks for it here).
+GGML_SRC=$CACHE/ggml-src/$LLAMA_VERSION
+if [ ! -f "$GGML_SRC/ggml-backend-impl.h" ]; then
+    phase "ggml-backend-impl.h from the llama-cpp-python sdist"
+    ensure_sdist
+    mkdir -p "$GGML_SRC"
+    tar -xzf "$SDIST" -O "llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp/ggml/src/ggml-backend-impl.h" \
+        >"$GGML_SRC/ggml-backend-impl.h.tmp"
+    mv "$GGML_SRC/ggml-backend-impl.h.tmp" "$GGML_SRC/ggml-backend-impl.h"
+fi
+
 # --------------------------------------------------------------------------- Python deps
 phase "Python dependencies"
 DEPS_STAMP=$VENV/.powerinfer-deps
@@ -193,6 +212,7 @@ project_hash() {
             [ -d "$d" ] && find "$d" -type f -print0 | sort -z | xargs -0 -r sha256sum
         done
         [ -d powerinfer_py ] && find powerinfer_py -type f -name '*.py' | sort
+        [ -f "$GGML_SRC/ggml-backend-impl.h" ] && echo ggml-backend-impl
         echo "$want"
     } | sha256sum | cut -c1-16
 }

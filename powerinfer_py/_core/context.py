@@ -236,15 +236,29 @@ class Context(Handle):
     # ---- hybrid placement ------------------------------------------------------------------------------
 
     def placement(self) -> Dict[str, Any]:
-        """What the hybrid placement put on the device (struct powerinfer_placement; bytes)."""
+        """What the placement put on the devices (struct powerinfer_placement; bytes, all
+        devices together) and, under "devices", each one's share (struct
+        powerinfer_placement_device: its budget is never exceeded)."""
+        ptr = self.ptr
         p = ffi.new("struct powerinfer_placement *")
-        lib.powerinfer_get_placement(self.ptr, p)
+        lib.powerinfer_get_placement(ptr, p)
         out: Dict[str, Any] = {"device": ffi.string(p.device).decode()}
-        for k in ("active", "emulated", "from_cache"):
+        for k in ("active", "emulated", "from_cache", "layer_split"):
             out[k] = bool(getattr(p, k))
         for k in ("budget", "bytes_total", "bytes_dense", "bytes_kv", "bytes_compute", "bytes_ffn",
-                  "n_layers_attn", "n_hot", "n_neurons"):
+                  "n_layers_attn", "n_hot", "n_neurons", "n_devices"):
             out[k] = int(getattr(p, k))
+        devices = []
+        d = ffi.new("struct powerinfer_placement_device *")
+        for i in range(out["n_devices"]):
+            if lib.powerinfer_get_placement_device(ptr, i, d) != OK:
+                raise core_error(f"placement of device {i}")
+            dev: Dict[str, Any] = {"name": ffi.string(d.name).decode(), "rpc": bool(d.rpc), "emulated": bool(d.emulated)}
+            for k in ("budget", "bytes_total", "bytes_dense", "bytes_kv", "bytes_compute", "bytes_ffn",
+                      "n_layers_attn", "n_hot", "memory_free", "memory_total"):
+                dev[k] = int(getattr(d, k))
+            devices.append(dev)
+        out["devices"] = devices
         return out
 
     def hot_neurons(self, layer: int) -> np.ndarray:

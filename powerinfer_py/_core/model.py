@@ -31,14 +31,43 @@ SPARSE_MODES: Dict[str, int] = {
     "predictor": lib.POWERINFER_SPARSE_PREDICTOR,
 }
 
+# enum powerinfer_split_mode by name
+SPLIT_MODES: Dict[str, int] = {
+    "auto": lib.POWERINFER_SPLIT_AUTO,
+    "hybrid": lib.POWERINFER_SPLIT_HYBRID,
+    "layer": lib.POWERINFER_SPLIT_LAYER,
+    "none": lib.POWERINFER_SPLIT_NONE,
+}
 
-def model_params(**fields: Any):
+# Array fields given as Python lists, and the count field that goes with each.
+_ARRAYS = {"tensor_split": ("float[]", "n_tensor_split"), "device_budgets": ("int64_t[]", "n_device_budgets")}
+
+
+def model_params(keep: Optional[List[Any]] = None, **fields: Any):
     """struct powerinfer_model_params: the core's defaults with `fields` set by name
-    (`sparse_mode` also takes a name from SPARSE_MODES)."""
+    (`sparse_mode` and `split_mode` also take a name; `rpc_servers` a str; `tensor_split`
+    and `device_budgets` lists). The buffers behind pointer fields go into `keep`, which
+    must outlive the call that reads them (the core copies them at load)."""
     params = lib.powerinfer_model_default_params()
+    keep = keep if keep is not None else []
     for name, value in fields.items():
         if name == "sparse_mode" and isinstance(value, str):
             value = SPARSE_MODES[value]
+        if name == "split_mode" and isinstance(value, str):
+            value = SPLIT_MODES[value]
+        if name == "rpc_servers":
+            if not value:
+                continue
+            value = ffi.new("char[]", str(value).encode())
+            keep.append(value)
+        if name in _ARRAYS:
+            if value is None or len(value) == 0:
+                continue
+            ctype, count = _ARRAYS[name]
+            items = list(value)
+            value = ffi.new(ctype, items)
+            keep.append(value)
+            setattr(params, count, len(items))
         try:
             setattr(params, name, value)
         except AttributeError:
@@ -66,7 +95,8 @@ class Model(Handle):
 
     def __init__(self, path: "os.PathLike[str] | str", **params: Any):
         self.path = os.fspath(path)
-        self.params = model_params(**params)
+        self._keep: List[Any] = []  # what the params' pointers point at (self.params stays readable)
+        self.params = model_params(self._keep, **params)
         ptr = lib.powerinfer_model_load(os.fsencode(self.path), self.params)
         if ptr == ffi.NULL:
             raise core_error(f"Failed to load model from file: {self.path}")
@@ -79,7 +109,7 @@ class Model(Handle):
         """A second handle on the same loaded model (the core counts the reference): it
         stays usable after this one is closed, and the model's memory lives until both are."""
         other = Model.__new__(Model)
-        other.path, other.params = self.path, self.params
+        other.path, other.params, other._keep = self.path, self.params, self._keep
         other._ptr = lib.powerinfer_model_retain(self.ptr)
         return other
 

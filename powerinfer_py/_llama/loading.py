@@ -15,21 +15,61 @@ from .._core import Model
 from .._core.bindings import version
 from ..formats import pt_io
 from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
-                        SPARSE_MODES)
+                        LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_ROW, SPARSE_MODES)
 
 # Llama's own parameters, which llama_cpp.Llama (the fallback engine) does not take.
 OWN_PARAMS = ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback", "activation_dir",
               "reset_gpu_index", "emulate_device", "pack_dense")
 
 
-def check_arguments(*, sparse_mode: str, sparse_threshold: Optional[float], vram_budget: Optional[float],
-                    n_ctx: int, n_batch: int) -> None:
+def _budgets(vram_budget: Any) -> Optional[List[float]]:
+    """vram_budget as a list of per-device GiB (None: automatic)."""
+    if vram_budget is None:
+        return None
+    if isinstance(vram_budget, str):
+        vram_budget = [v for v in vram_budget.split(",") if v.strip()]
+    values = list(vram_budget) if isinstance(vram_budget, (list, tuple)) else [vram_budget]
+    try:
+        out = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"vram_budget must be GiB (a number, or one per device), not {vram_budget!r}") from None
+    if not out or not all(v >= 0.0 and math.isfinite(v) for v in out):
+        raise ValueError(f"vram_budget must be >= 0 GiB (or None for automatic), not {vram_budget!r}")
+    return out
+
+
+# split_mode: llama-cpp-python's numbers (LLAMA_SPLIT_MODE_*) or our names.
+_SPLIT_MODES = {LLAMA_SPLIT_MODE_NONE: "none", LLAMA_SPLIT_MODE_LAYER: "auto", "auto": "auto", "hybrid": "hybrid",
+                "layer": "layer", "none": "none"}
+
+
+def split_mode_name(split_mode: Any) -> str:
+    """llama-cpp-python's LLAMA_SPLIT_MODE_LAYER (its default) is our "auto": llama.cpp's layer
+    split for a dense model given n_gpu_layers, else PowerInfer's hybrid placement."""
+    if split_mode == LLAMA_SPLIT_MODE_ROW:
+        raise ValueError("split_mode=LLAMA_SPLIT_MODE_ROW (tensor parallelism) is not supported; use "
+                         "LLAMA_SPLIT_MODE_LAYER, 'layer' or 'hybrid'")
+    try:
+        return _SPLIT_MODES[split_mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"split_mode must be one of 'auto', 'hybrid', 'layer', 'none' or a LLAMA_SPLIT_MODE_*, "
+                         f"not {split_mode!r}") from None
+
+
+def check_arguments(*, sparse_mode: str, sparse_threshold: Optional[float], vram_budget: Any,
+                    n_ctx: int, n_batch: int, split_mode: Any = LLAMA_SPLIT_MODE_LAYER,
+                    tensor_split: Optional[List[float]] = None, rpc_servers: Optional[str] = None) -> None:
     if sparse_mode not in SPARSE_MODES:
         raise ValueError(f"sparse_mode must be one of {', '.join(map(repr, SPARSE_MODES))}, not {sparse_mode!r}")
     if sparse_threshold is not None and not math.isfinite(float(sparse_threshold)):
         raise ValueError(f"sparse_threshold must be a finite number, not {sparse_threshold!r}")
-    if vram_budget is not None and not (float(vram_budget) >= 0.0):
-        raise ValueError(f"vram_budget must be >= 0 GiB (or None for automatic), not {vram_budget!r}")
+    _budgets(vram_budget)
+    split_mode_name(split_mode)
+    if tensor_split is not None and not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                                            for v in tensor_split):
+        raise ValueError(f"tensor_split must be shares >= 0, one per device, not {tensor_split!r}")
+    if rpc_servers is not None and not isinstance(rpc_servers, str):
+        raise ValueError(f"rpc_servers must be a string 'host:port,host:port', not {rpc_servers!r}")
     if not isinstance(n_ctx, int) or n_ctx < 0:
         raise ValueError(f"n_ctx must be an int >= 0, not {n_ctx!r}")
     if not isinstance(n_batch, int) or n_batch < 1:
@@ -62,13 +102,20 @@ def unsupported_features(*, lora_path, kv_overrides, rope_freq_base, rope_freq_s
     ]
 
 
-def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: int, use_mmap: bool,
+def model_fields(*, n_threads: int, vram_budget: Any, n_gpu_layers: int, use_mmap: bool,
                  vocab_only: bool, sparse_mode: str, sparse_threshold: Optional[float], emulate_device: bool,
-                 reset_gpu_index: bool, repack: bool = True, pack_dense: bool = False) -> Dict[str, Any]:
-    """struct powerinfer_model_params fields for Model()."""
+                 reset_gpu_index: bool, repack: bool = True, pack_dense: bool = False,
+                 split_mode: Any = LLAMA_SPLIT_MODE_LAYER, tensor_split: Optional[List[float]] = None,
+                 rpc_servers: Optional[str] = None) -> Dict[str, Any]:
+    """struct powerinfer_model_params fields for Model(). vram_budget: GiB for every device,
+    or one per device (GPUs, then the RPC workers' devices, in order)."""
+    budgets = _budgets(vram_budget)
     fields: Dict[str, Any] = dict(
         n_threads=n_threads,
-        vram_budget_gib=-1.0 if vram_budget is None else float(vram_budget),
+        vram_budget_gib=-1.0 if budgets is None else budgets[0],
+        split_mode=split_mode_name(split_mode),
+        rpc_servers=rpc_servers or None,
+        tensor_split=[float(v) for v in tensor_split] if tensor_split else None,
         n_gpu_layers=0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers,
         use_mmap=use_mmap,
         vocab_only=vocab_only,
@@ -79,8 +126,10 @@ def model_fields(*, n_threads: int, vram_budget: Optional[float], n_gpu_layers: 
         use_repack=bool(repack),
         pack_dense=bool(pack_dense),
     )
-    if vram_budget is not None and vram_budget > 0:
-        fields["vram_budget_bytes"] = int(float(vram_budget) * 2**30)  # exact, not a C float
+    if budgets is not None and len(budgets) == 1 and budgets[0] > 0:
+        fields["vram_budget_bytes"] = int(budgets[0] * 2**30)  # exact, not a C float
+    elif budgets is not None and len(budgets) > 1:
+        fields["device_budgets"] = [int(b * 2**30) for b in budgets]
     return fields
 
 

@@ -433,6 +433,15 @@ POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); /
 // for the placement, instead of the model's blk.N.ffn_act_count. Before the first context.
 POWERINFER_API int32_t powerinfer_model_set_act_counts(struct powerinfer_model * model, const float * counts,
                                                        int32_t n_layer, int32_t n_ff);
+// ---- RPC worker (rpc_worker.c; docs/distributed.md) -------------------------------------
+// Serves this host's CPU as a ggml-rpc device on host:port until the process ends (returns
+// only on an error: a port in use, RPC missing from ggml). mem_bytes > 0 caps what clients
+// may allocate there, and is what the worker reports as its memory; n_threads <= 0: 1.
+// The protocol is unauthenticated: serve loopback or a trusted network only.
+POWERINFER_API int32_t powerinfer_rpc_serve(const char * host, int32_t port, int64_t mem_bytes, int32_t n_threads);
+// Whether this build can cap a worker's memory (it was built with ggml-backend-impl.h).
+POWERINFER_API bool    powerinfer_rpc_can_cap_memory(void);
+
 // GPUs and integrated GPUs in the installed ggml's backend registry (RPC workers not counted):
 // 0 means hybrid placement has no local device (emulate_device, or rpc_servers, give it one).
 POWERINFER_API int32_t powerinfer_gpu_count(void);
