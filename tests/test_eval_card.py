@@ -78,19 +78,35 @@ def test_card_of_a_model_against_itself_is_exact(smollm2_path, texts, tmp_path):
     assert "AMD" in card["speed"]["cpu"] or "Intel" in card["speed"]["cpu"] or card["speed"]["cpu"]
 
 
-def test_card_counts_what_the_engine_computes(texts, tmp_path):
+def test_card_counts_what_the_engine_computes(tmp_path):
     """The tiny synthetic PowerInfer file has exact predictors: the predictor chooses exactly
     the neurons that fire, so its recall is 1, the engine's counters of computed neurons
-    equal the fired share, and predictor mode scores the text exactly as dense mode."""
+    equal the share that fires at the positions its sparse steps ran (every scored position
+    but each passage's first, which runs dense: counted here from the dense FFN's captured
+    activations), and predictor mode scores the text exactly as dense mode."""
+    from powerinfer_py._core import Context, Model
+
     paths = generate(PRESETS["tiny"], tmp_path / "m", progress=False)
-    r = _eval(paths["powerinfer"], "--text", texts / "prose.txt", "--passages", 2, "--n-tokens", 32,
+    text = PROSE[:240]  # 241 tokens with BOS (a byte per token): two windows of 32, far apart
+    (tmp_path / "prose.txt").write_text(text)
+    r = _eval(paths["powerinfer"], "--text", tmp_path / "prose.txt", "--passages", 2, "--n-tokens", 32,
               "--out", tmp_path / "card.md")
     card = json.loads((tmp_path / "card.json").read_text())
     assert card["modes"] == ["dense", "predictor"] and card["reference"] is None and "speed" not in card
     lay = card["layers"]
     assert lay["predictor_recall"] == [1.0, 1.0]
-    np.testing.assert_allclose(lay["computed"]["predictor"], lay["fired"], atol=1e-9)
     np.testing.assert_allclose(lay["predictor_chosen"], lay["fired"], atol=1e-9)
+    n_layer, n_ff = PRESETS["tiny"].n_layer, PRESETS["tiny"].n_ff
+    fired, n_sparse = np.zeros(n_layer), 0
+    with Model(paths["powerinfer"], sparse_mode="dense") as model:
+        for p in passages(tokenize_texts(paths["powerinfer"], [text]), 2, 32):
+            with Context(model, n_ctx=64, n_batch=64, n_threads=2) as ctx:
+                ctx.set_ffn_capture(True)
+                ctx.decode([int(t) for t in p[:-1]], 0)
+                for il in range(n_layer):
+                    fired[il] += (ctx.ffn_capture(il)[1][1:] > 0).sum()
+            n_sparse += len(p) - 2
+    np.testing.assert_allclose(lay["computed"]["predictor"], fired / (n_sparse * n_ff), atol=1e-9)
     q = card["quality"]["prose"]
     assert abs(q["predictor"]["nll"] - q["dense"]["nll"]) < 1e-4, q
     assert "KL from reference" not in r.stdout and "predictor recall" in r.stdout

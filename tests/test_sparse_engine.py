@@ -232,7 +232,7 @@ def test_powerinfer_file_round_trip(tiny, tmp_path):
         logit = np.maximum(x_res @ tensors[f"blk.{il}.fc1.weight"].T, 0) @ tensors[f"blk.{il}.fc2.weight"].T
         margins.append(np.abs(logit - threshold).min())
         mask = logit >= threshold
-        expected.append((int(mask.sum()), mask.size))
+        expected.append((int(mask[1:].sum()), mask[1:].size))  # position 0 is a dense step: not counted
         return mask.astype(np.float64)
 
     seq = prompt + toks  # greedy() decoded all of them, one at a time
@@ -523,6 +523,99 @@ def test_sparse_stats_reports_the_active_share(tiny):
     with Llama(tiny["tiny-q8"]["dense"], n_ctx=256, n_threads=2, verbose=False, sparse_mode="dense") as llm:
         llm.create_completion("the cat sat", max_tokens=4, temperature=0)
         assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None}
+
+
+LONG_PROMPT = b"the cat sat on the mat and the dog sat on the log, then the bird sang in the tree by the old"
+
+
+def test_sparse_stats_count_only_sparse_steps(tiny, tmp_path):
+    """Issue 28, item 11: the counters count the sparse steps only. A prompt in batches above
+    sparse_max_batch runs dense, its last layer's output row included (that row took the
+    sparse path, and a dense step's AXPY over ffn_down_t counted its nonzero activations:
+    `[None, 1.0]`-like figures after a prompt alone, and short runs overstated the share).
+    After the prompt no layer has counted anything; after N decode steps each layer's count
+    is, neuron for neuron, what the numpy reference's predictor selects at those N positions
+    (the planted predictor is exact, so that is also the share that fires)."""
+    from numpy_llama import forward, read_f32_model
+
+    path = tiny["tiny"]["powerinfer"]
+    n_layer, n_ff, n_gen = PRESETS["tiny"].n_layer, PRESETS["tiny"].n_ff, 8
+    e = Engine(path, "predictor")
+    try:
+        buf = ffi.new("int32_t[]", 256)
+        prompt = list(buf[0 : lib.powerinfer_tokenize(e.model, LONG_PROMPT, len(LONG_PROMPT), buf, 256, True, False)])
+        # two chunks above sparse_max_batch (8): the first holds position 0, the second not
+        assert len(prompt) >= 24
+        for p0, p1 in ((0, 12), (12, len(prompt))):
+            assert lib.powerinfer_decode(e.ctx, ffi.new("int32_t[]", prompt[p0:p1]), p1 - p0, p0, False) == 0, _error()
+        a, c = ffi.new("int64_t*"), ffi.new("int64_t*")
+
+        def counts():
+            out = []
+            for il in range(n_layer):
+                assert lib.powerinfer_sparse_stats(e.ctx, il, a, c) == 0
+                out.append((a[0], c[0]))
+            return out
+
+        assert counts() == [(0, 0)] * n_layer
+        gen = []
+        for _ in range(n_gen):
+            gen.append(int(np.argmax(e._logits())))
+            assert lib.powerinfer_decode(e.ctx, ffi.new("int32_t[]", gen[-1:]), 1, len(prompt) + len(gen) - 1, False) == 0
+        got = counts()
+        thresholds = [lib.powerinfer_model_sparse_threshold(e.model, il) for il in range(n_layer)]
+    finally:
+        e.close()
+
+    tensors, hp = read_f32_model(path, tmp_path)
+    margins, expected = [], []
+
+    def predicted(il, x_res):
+        logit = np.maximum(x_res @ tensors[f"blk.{il}.fc1.weight"].T, 0) @ tensors[f"blk.{il}.fc2.weight"].T
+        decode = logit[len(prompt):]
+        margins.append(np.abs(decode - thresholds[il]).min())
+        expected.append((int((decode >= thresholds[il]).sum()), decode.size))
+        return np.ones_like(logit)  # the prompt runs dense; the decoded rows' mask changes nothing (exact)
+
+    forward(tensors, hp, prompt + gen, predicted)
+    assert min(margins) > 1e-5, min(margins)
+    assert got == expected and all(t == n_gen * n_ff for _, t in got), (got, expected)
+    assert all(0.03 < act / tot < 0.3 for act, tot in got), got
+
+
+def test_llama_sparse_stats_after_a_prompt_alone(tiny):
+    """Llama.sparse_stats() and the CLI's "sparse FFN" line after a prompt and no decode step:
+    no sparse step ran, so no layer has a share (the CLI prints no such line); after decode
+    steps the CLI's share is the counters' share of the same steps."""
+    path = tiny["tiny"]["powerinfer"]
+    with Llama(path, n_ctx=256, n_threads=2, verbose=False, sparse_mode="predictor") as llm:
+        toks = llm.tokenize(LONG_PROMPT)
+        llm.eval(toks[:16])
+        llm.eval(toks[16:])  # a chunk without position 0, above sparse_max_batch
+        assert llm.sparse_stats() == {"mode": "predictor", "layers": [None] * 2, "active": None}
+        for t in toks[:5]:
+            llm.eval([t])
+        counts = [llm._ctx.sparse_stats(il) for il in range(2)]
+        assert all(tot == 5 * PRESETS["tiny"].n_ff for _, tot in counts)
+        assert llm.sparse_stats()["layers"] == [act / tot for act, tot in counts]
+    if not CLI.exists():
+        pytest.skip("no build/bin/main")
+    cmd = [str(CLI), "-m", str(path), "-p", LONG_PROMPT.decode(), "--temp", "0", "-t", "2"]
+    run = dict(capture_output=True, encoding="utf-8", errors="replace", timeout=60)  # the tokens are bytes
+    r = subprocess.run(cmd + ["-n", "0"], **run)
+    assert r.returncode == 0 and "sparse mode = predictor" in r.stderr and "sparse FFN" not in r.stderr, r.stderr
+    r = subprocess.run(cmd + ["-n", "6"], **run)
+    m = re.search(r"sparse FFN  = ([\d.]+)% of neurons active \(per layer, %: (\d+) (\d+)\)", r.stderr)
+    assert r.returncode == 0 and m, r.stderr
+    # the same run through the engine: the prompt in one batch, then the greedy tokens alone
+    e = Engine(path, "predictor")
+    try:
+        e.greedy(LONG_PROMPT, n=6, one_by_one=False)
+        frac = e.active_fraction()
+    finally:
+        e.close()
+    assert abs(float(m.group(1)) - 100 * frac.mean()) < 0.051, (m.group(0), frac)
+    assert [int(m.group(2)), int(m.group(3))] == [round(100 * f) for f in frac]
 
 
 def test_bench_bytes_per_token(tiny):

@@ -13,8 +13,9 @@ token per decode, so the sparse path runs exactly as it does in generation:
   the top-1 agreement (the share of positions where both pick the same token), the figures
   llama.cpp's perplexity tool reports with --kl-divergence;
 - per layer: the share of FFN neurons that fired (dense FFN, activation > 0: the model's own
-  sparsity), the share each sparse mode computed, and for a file with predictors their
-  recall on this text (of the neurons that fired, the share the predictor chose);
+  sparsity), the share each sparse mode computed in its sparse steps (the engine's counters:
+  every scored position but a passage's first, which runs dense), and for a file with
+  predictors their recall on this text (of the neurons that fired, the share the predictor chose);
 - with --reference: decode and prompt-processing speed of every mode against
   llama-cpp-python on the reference, both engines in this process with their steps
   alternating (the bandwidth of a machine drifts), and the CPU it ran on.
@@ -360,7 +361,8 @@ def render(card: Dict[str, Any]) -> str:
     lay = card["layers"]
     n_layer = len(lay["fired"])
     L += ["", "## FFN activity per layer (all domains)", "",
-          "fired: neurons with act > 0 in the dense FFN; computed: what each sparse mode computed"
+          "fired: neurons with act > 0 in the dense FFN; computed: what each sparse mode computed in its "
+          "sparse steps (a passage's first token runs dense)"
           + ("; recall: of the neurons that fired, the share the predictor chose" if "predictor_recall" in lay else ""),
           "", "| layer | " + " | ".join(str(i) for i in range(n_layer)) + " | mean |",
           "|---|" + "---|" * (n_layer + 1)]

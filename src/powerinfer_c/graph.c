@@ -134,7 +134,9 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     // neurons that fire almost only there, so a predictor trained on ordinary positions
     // misses them and the whole sequence derails (ReLU-SmolLM2: a passage whose first
     // token was a tab lost 3.9 nats per token in predictor mode). One dense step per sequence.
-    const bool sparse = mode != POWERINFER_SPARSE_DENSE && x->ne[1] <= gp->sparse_max_batch && !stat->hist && !gp->capture &&
+    // The batch decides, not x's rows: the last layer of a dense batch keeps only its output
+    // rows, which would otherwise go sparse (and count as a sparse step) alone.
+    const bool sparse = mode != POWERINFER_SPARSE_DENSE && gp->n_tokens <= gp->sparse_max_batch && !stat->hist && !gp->capture &&
                         !gp->first_token;
 
     if (model->offload.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {

@@ -47,8 +47,10 @@ static inline void active_index(struct ggml_tensor * dst, int ith, struct pi_act
     }
     out[0] = n;
     out[n_ff + 1] = out[n_ff + 2] = 0;
-    stat->n_active += n + n_skipped;
-    stat->n_total  += n_ff;
+    if (rule != PI_ACTIVE_NONZERO) {  // that rule is the dense FFN's exact AXPY: not a sparse step
+        stat->n_active += n + n_skipped;
+        stat->n_total  += n_ff;
+    }
 }
 
 static void active_above_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {

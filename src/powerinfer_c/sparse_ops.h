@@ -58,7 +58,8 @@ enum pi_active_rule {
 
 // score: F32 [n_ff, T]. Result: an active list (above) of the neurons whose score passes
 // `rule` for any token (the union over the batch), with each token's own in the masks,
-// leaving out neurons with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included).
+// leaving out neurons with stat->skip[i] set. Each run adds to stat's counters (skipped neurons included),
+// but for PI_ACTIVE_NONZERO: a dense step's AXPY is no sparse step.
 struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tensor * score, enum pi_active_rule rule,
                                      struct pi_active_stat * stat);
 
