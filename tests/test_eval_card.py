@@ -143,3 +143,38 @@ def test_convert_ends_with_a_card(smollm2_path, texts, tmp_path):
     q = card["quality"]["code"]["dense"]
     assert 0.0 <= q["kl"] < 0.1 and q["top1"] >= 0.8, q
     assert (tmp_path / "s.powerinfer.card.md").read_text().startswith("# Trust card: s.powerinfer.gguf")
+
+
+def test_passages_cover_the_whole_file(tmp_path, monkeypatch):
+    """Issue 28, item 9: the windows are spread over the whole file (they came from its first
+    4 * passages * n_tokens + n_tokens tokens only). A file of prose, then code, then a last
+    line: the first window is the file's start, one lies in the code and the last ends with
+    the file's last bytes; the same for a file above WHOLE_FILE_BYTES, which is read only
+    where its windows fall. The windows are the ones the engine scored, read back as text."""
+    from powerinfer_py._core import Model
+    from powerinfer_py.pipeline import evaluate as ev
+
+    path = generate(PRESETS["tiny"], tmp_path / "m", progress=False)["powerinfer"]
+    scored = []
+    real = ev.model_logp
+
+    def spy(model, passage, threads):
+        scored.append(np.array(passage))
+        return real(model, passage, threads)
+
+    monkeypatch.setattr(ev, "model_logp", spy)
+    tail = b"the end.\n"
+    with Model(path, vocab_only=True) as m:
+        for n_rep in (1, 6000):  # 1.5 KB; 9 MB
+            raw = (PROSE * n_rep + CODE * n_rep).encode() + tail
+            f = tmp_path / "mixed.txt"
+            f.write_bytes(raw)
+            scored.clear()
+            card = ev.evaluate(path, [("mixed", str(f))], modes=["dense"], n_passages=4, n_tokens=32,
+                               measure_speed=False, progress=False)
+            assert card["domains"]["mixed"]["passages"] == 4 and all(len(p) == 32 for p in scored)
+            texts = [b"".join(m.token_to_piece(int(t), False) for t in p) for p in scored]
+            # (the tokenizer puts a space before the text's first word, as sentencepiece does)
+            assert raw.startswith(texts[0].lstrip(b" ")) and int(scored[0][0]) == m.token_bos(), n_rep
+            assert texts[1] in PROSE.encode() * 2 and texts[2] in CODE.encode() * 2, (n_rep, texts)
+            assert texts[3].endswith(tail) and raw.endswith(texts[3]), (n_rep, texts[3])
