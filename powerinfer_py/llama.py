@@ -304,6 +304,13 @@ class Llama:
         if verbose:
             _loading.print_banner(self, arch, vocab_only, draft_model)
 
+    @property
+    def failed(self) -> bool:
+        """True once an RPC worker holding part of the model stopped answering (every decode
+        then raises PowerInferError naming it): close this Llama and load the model again."""
+        model = self.__dict__.get("_model")
+        return model is not None and not model.closed and model.failed()
+
     def placement(self) -> Dict[str, Any]:
         """What the hybrid placement put on the device: sizes in bytes (never above
         `budget`), the device name, the FFN neurons placed."""

@@ -462,6 +462,11 @@ class ParallelLlama:
         st = self._batcher.stats()
         return st["sparse_active"] / st["sparse_total"] if st["sparse_total"] else None
 
+    @property
+    def failed(self) -> bool:
+        """True once an RPC worker of the model stopped answering: the pool computes nothing more."""
+        return not self._model.closed and self._model.failed()
+
     def kv_cells_used(self) -> int:
         """KV cells in use after the last step (never waits for a step)."""
         return int(self._batcher.stats()["kv_cells_used"])

@@ -156,6 +156,11 @@ class Model(Handle):
         VNNI or without weights of a type that packs)."""
         return int(lib.powerinfer_model_n_packed(self.ptr))
 
+    def failed(self) -> bool:
+        """True once an RPC worker holding part of the model stopped answering: it computes
+        nothing more (load it again once the worker is back)."""
+        return bool(lib.powerinfer_model_failed(self.ptr))
+
     def sparse_threshold(self, layer: int) -> float:
         return float(lib.powerinfer_model_sparse_threshold(self.ptr, layer))
 

@@ -32,8 +32,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(host: str, port: int, mem_mib: float, threads: int) -> None:
+def serve(host: str, port: int, mem_mib: float, threads: int, verbose: bool = False) -> None:
     from .._core import rpc
+    from .._core.bindings import lib
+
+    # ggml's messages (a refused request, a client's malformed command) at warning level, or
+    # everything with --verbose.
+    lib.powerinfer_log_set_level(lib.POWERINFER_LOG_INFO if verbose else lib.POWERINFER_LOG_WARN)
 
     if not 0 < port < 65536:
         raise PipelineError(f"--port {port} is not a TCP port")
@@ -63,7 +68,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     ap.add_argument("--mem", type=float, default=0.0, help="MiB clients may allocate here (default 0: no cap)")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="CPU threads (default: all cores)")
-    return run_cli(lambda a: serve(a.host, a.port, a.mem, a.threads), ap.parse_args(argv))
+    ap.add_argument("-v", "--verbose", action="store_true", help="log what ggml says, debug messages included")
+    return run_cli(lambda a: serve(a.host, a.port, a.mem, a.threads, a.verbose), ap.parse_args(argv))
 
 
 if __name__ == "__main__":

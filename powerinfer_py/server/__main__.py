@@ -60,6 +60,10 @@ def _parse_json_object(arg: str) -> Dict[str, Any]:
     return value
 
 
+# llama.cpp's server spellings of some fields, beside llama_cpp.server's.
+_ALIASES = {"rpc_servers": ["--rpc"]}
+
+
 def add_args_from_model(parser: argparse.ArgumentParser, model: Type[Any]) -> None:
     """One flag per field of the pydantic model, spelled `--field_name` and `--field-name`."""
     for name, field in model.model_fields.items():
@@ -67,6 +71,7 @@ def add_args_from_model(parser: argparse.ArgumentParser, model: Type[Any]) -> No
         if description and not field.is_required() and field.default is not None:
             description += f" (default: {field.default})"
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        flags += _ALIASES.get(name, [])
         annotation = field.annotation
         base = _base_type(annotation) if annotation is not None else str
         if _contains(annotation, (dict, Dict)):

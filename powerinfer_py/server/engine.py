@@ -165,8 +165,20 @@ class _SlotEngine:
 
         self.pool = ParallelLlama(proxy.current, n_parallel=self.n_parallel)
 
+    def _reload(self, proxy: ModelProxy) -> None:
+        if self.pool is None or not self.pool.failed:
+            return  # another request reloaded it meanwhile
+        old, self.pool = self.pool, None
+        old.close()
+        proxy()  # loads the model again (ModelProxy sees the failed one)
+        self.load(proxy)
+
     async def acquire_generation(self, model: Optional[str]) -> Tuple[Any, Callable[[], None]]:
-        self._state.require_proxy()
+        proxy = self._state.require_proxy()
+        if self.pool is not None and self.pool.failed:
+            # An RPC worker of the model stopped answering: a new model and pool (the running
+            # requests on the old one end with an error).
+            await self._state.model_thread.run(self._reload, proxy)
         slot = None
 
         def give_back() -> None:

@@ -131,6 +131,11 @@ def error_from_exception(exc: BaseException, body: Any = None) -> APIError:
     if isinstance(exc, PowerInferError):
         if exc.status_name in _CLIENT_ERROR_STATUSES:
             return APIError(400, text)
+        if exc.status_name == "POWERINFER_ERR_IO":
+            # An RPC worker went away mid-generation: the server loads the model again on the
+            # next request (ModelProxy); this one is lost.
+            print(f"powerinfer_py.server: {text}", file=sys.stderr)
+            return APIError(503, text, type="unavailable_error", code="backend_unavailable")
     elif isinstance(exc, NotImplementedError):
         return APIError(400, text, code="unsupported_parameter")
     elif isinstance(exc, ValueError):

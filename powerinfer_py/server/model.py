@@ -177,6 +177,12 @@ class ModelProxy:
 
     def __call__(self, model: Optional[str] = None):
         alias = self.resolve(model)
+        if self._current is not None and getattr(self._current, "failed", False):
+            # An RPC worker of the model stopped answering: load it again (the worker may be back).
+            print(f"powerinfer_py.server: the model {self._current_alias} lost an RPC worker; loading it again",
+                  file=sys.stderr)
+            self._current.close()
+            self._current, self._current_alias = None, None
         if alias == self._current_alias and self._current is not None:
             return self._current
         if self._current is not None:

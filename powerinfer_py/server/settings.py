@@ -52,7 +52,9 @@ class ModelSettings(BaseSettings):
         description="List of model kv overrides in the format key=type:value where type is one of (bool, int, float). Valid true values are (true, TRUE, 1), otherwise false.",
     )
     rpc_servers: Optional[str] = Field(
-        default=None, description="comma separated list of rpc servers for offloading"
+        default=None,
+        description="comma separated list of RPC workers (host:port, `powerinfer rpc-server`) whose devices the "
+        "placement uses (also --rpc, llama.cpp's spelling); see docs/distributed.md",
     )
     # Context Params
     seed: int = Field(default=LLAMA_DEFAULT_SEED, description="Random seed. -1 for random.")

@@ -113,6 +113,20 @@ static int32_t make_sched(struct powerinfer_context * ctx) {
     return ctx->sched ? POWERINFER_OK : pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the backend scheduler");
 }
 
+// Our operators (ggml_custom_4d: the sparse FFN, the active-set index, the histograms) are
+// host functions: they run on the CPU. Some backends claim every op (ggml-rpc answers
+// supports_op with yes without asking its worker), and the scheduler would send such a node,
+// with its function pointer, to a worker that then jumps to an address of our process.
+static void pin_custom_ops(struct powerinfer_context * ctx, struct ggml_cgraph * gf) {
+    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (node->op == GGML_OP_CUSTOM || node->op == GGML_OP_MAP_CUSTOM1 || node->op == GGML_OP_MAP_CUSTOM2 ||
+            node->op == GGML_OP_MAP_CUSTOM3) {
+            ggml_backend_sched_set_tensor_backend(ctx->sched, node, ctx->backend);
+        }
+    }
+}
+
 static void host_drop_scheduler(void * self) {
     struct powerinfer_context * ctx = self;
     if (ctx->sched) {
@@ -129,6 +143,7 @@ static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
         return rc;
     }
     struct ggml_cgraph * gf = build_reserve_graph(ctx);
+    if (gf) pin_custom_ops(ctx, gf);
     if (!gf || !ggml_backend_sched_reserve(ctx->sched, gf)) {
         return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve the compute buffers");
     }
@@ -563,6 +578,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         if (!gf) {
             return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
         }
+        pin_custom_ops(ctx, gf);
         if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
             return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
         }

@@ -266,6 +266,7 @@ static int32_t move_kv(struct powerinfer_model * model, const struct pi_placemen
     ggml_backend_buffer_type_t bufts[PI_MAX_LAYERS] = { 0 };
     bool any = false;
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        pl->kv_dev[il] = plan->kv[il];
         if (plan->kv[il] >= 0) {
             bufts[il] = pl->devs[plan->kv[il]].dev.buft;
             any = true;
@@ -279,6 +280,7 @@ static int32_t move_kv(struct powerinfer_model * model, const struct pi_placemen
         pi_log(POWERINFER_LOG_WARN, "powerinfer: placement: the KV cache could not move to the devices (%s); it stays in "
                "host memory\n", powerinfer_last_error());
         pi_clear_error();
+        memset(pl->kv_dev, PI_PLAN_HOST, sizeof(pl->kv_dev));
         return host->move_kv(host->self, NULL);
     }
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
@@ -500,6 +502,7 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
         return POWERINFER_OK;
     }
     pl->decided = true;
+    memset(pl->kv_dev, PI_PLAN_HOST, sizeof(pl->kv_dev));
     const struct powerinfer_model_params * mp = &model->params;
     const int32_t n_emulated = env_count("POWERINFER_EMULATE_DEVICE") ? env_count("POWERINFER_EMULATE_DEVICE")
                                                                       : mp->emulate_device ? 1 : 0;
@@ -640,10 +643,43 @@ done:
 int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_placement_host * host, uint64_t * device_bytes) {
     struct pi_placement * pl = &model->placement;
     memset(device_bytes, 0, sizeof(uint64_t) * PI_MAX_DEVICES);
-    uint64_t need[PI_MAX_DEVICES] = { 0 };
-    int32_t rc = host->measure_compute(host->self, need);
+    uint64_t need[PI_MAX_DEVICES] = { 0 }, kv[PI_MAX_DEVICES] = { 0 };
+    // Its KV cache where the plan put the first context's, when that fits next to what the
+    // devices hold: a layer's attention then reads its cache where it computes (a cache in
+    // host memory would cross to an RPC worker every step).
+    ggml_backend_buffer_type_t bufts[PI_MAX_LAYERS] = { 0 };
+    bool any = false;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        if (pl->kv_dev[il] >= 0) {
+            bufts[il] = pl->devs[pl->kv_dev[il]].dev.buft;
+            kv[pl->kv_dev[il]] += host->kv_layer_bytes(host->self, il, bufts[il]);
+            any = true;
+        }
+    }
+    bool kv_fits = any;
+    for (int32_t d = 0; any && d < pl->n_dev; ++d) {
+        kv_fits &= device_in_use(pl, &pl->devs[d]) + kv[d] <= pl->devs[d].budget;
+    }
+    int32_t rc = POWERINFER_OK;
+    if (kv_fits && host->move_kv(host->self, bufts) != POWERINFER_OK) {
+        pi_clear_error();
+        kv_fits = false;
+        if ((rc = host->move_kv(host->self, NULL)) != POWERINFER_OK) return rc;
+    }
+    if (!kv_fits) memset(kv, 0, sizeof(kv));
+    rc = host->measure_compute(host->self, need);
     if (rc != POWERINFER_OK) {
         return rc;
+    }
+    for (int32_t d = 0; d < pl->n_dev; ++d) need[d] += kv[d];
+    bool fits = true;
+    for (int32_t d = 0; d < pl->n_dev; ++d) fits &= device_in_use(pl, &pl->devs[d]) + need[d] <= pl->devs[d].budget;
+    if (!fits && kv_fits) {
+        // The compute buffers with the KV cache there do not fit: the cache in host memory.
+        if ((rc = host->move_kv(host->self, NULL)) != POWERINFER_OK || (rc = host->measure_compute(host->self, need)) != POWERINFER_OK) {
+            return rc;
+        }
+        memset(kv, 0, sizeof(kv));
     }
     for (int32_t d = 0; d < pl->n_dev; ++d) {
         const struct pi_placement_device * pd = &pl->devs[d];
@@ -651,10 +687,10 @@ int32_t pi_placement_admit(struct powerinfer_model * model, const struct pi_plac
         if (used + need[d] > pd->budget) {
             host->drop_scheduler(host->self);
             return pi_fail(POWERINFER_ERR_NO_MEMORY,
-                           "this context's compute buffers need %.1f MiB of %s, but the model's %.1f MiB budget there "
+                           "this context's compute buffers%s need %.1f MiB of %s, but the model's %.1f MiB budget there "
                            "has %.1f MiB left (its placement and other contexts hold the rest); use a smaller n_batch or "
                            "n_ctx, free another context, or load the model with a larger budget",
-                           need[d] / 1048576.0, pd->dev.name, pd->budget / 1048576.0,
+                           kv[d] ? " and KV cache" : "", need[d] / 1048576.0, pd->dev.name, pd->budget / 1048576.0,
                            (used < pd->budget ? pd->budget - used : 0) / 1048576.0);
         }
     }
@@ -695,6 +731,10 @@ int32_t pi_placement_check(struct powerinfer_model * model) {
         }
     }
     return pi_fail(POWERINFER_ERR_IO, "an RPC worker of this model stopped answering: load the model again");
+}
+
+bool powerinfer_model_failed(const struct powerinfer_model * model) {
+    return model && model->placement.failed;
 }
 
 void pi_placement_free(struct powerinfer_model * model) {

@@ -177,6 +177,7 @@ struct pi_placement {
     bool    first_alive; // the deciding context (bytes_kv, bytes_compute) still exists
     bool    failed;      // an RPC worker stopped answering: the model computes nothing more
     int32_t mode;        // enum pi_plan_mode
+    int8_t  kv_dev[PI_MAX_LAYERS];  // where the plan put each layer's KV cache (later contexts follow it)
     int32_t n_dev;
     struct pi_placement_device devs[PI_MAX_DEVICES];
 };

@@ -442,6 +442,10 @@ POWERINFER_API int32_t powerinfer_rpc_serve(const char * host, int32_t port, int
 // Whether this build can cap a worker's memory (it was built with ggml-backend-impl.h).
 POWERINFER_API bool    powerinfer_rpc_can_cap_memory(void);
 
+// Whether the model can no longer compute: an RPC worker holding part of it stopped answering
+// (decodes fail with POWERINFER_ERR_IO naming it; load the model again once it is back).
+POWERINFER_API bool powerinfer_model_failed(const struct powerinfer_model * model);
+
 // GPUs and integrated GPUs in the installed ggml's backend registry (RPC workers not counted):
 // 0 means hybrid placement has no local device (emulate_device, or rpc_servers, give it one).
 POWERINFER_API int32_t powerinfer_gpu_count(void);

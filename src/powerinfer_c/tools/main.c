@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +27,13 @@ struct cli_args {
     int32_t      flash_attn;  // 1 on, 0 off, -1 auto
     bool         verbose;
     float        vram_budget;
+    int64_t      device_budgets[16];  // --vram-budget A,B,...: GiB per device, in bytes
+    int32_t      n_device_budgets;
     int32_t      n_gpu_layers;
+    const char * rpc_servers;
+    int32_t      split_mode;
+    float        tensor_split[16];
+    int32_t      n_tensor_split;
     int32_t      sparse_mode;
     float        sparse_threshold;
     bool         reset_gpu_index;
@@ -59,10 +66,15 @@ static void usage(FILE * out, const char * argv0) {
         "  --ignore-eos              keep generating after the end-of-text token\n"
         "  -fa, --flash-attn [on|off|auto]  flash attention (alone: on; default auto: on except for\n"
         "                            dense mode on a standard GGUF, which keeps llama.cpp's graph)\n"
-        "  --vram-budget N           device memory budget in GiB for hot neurons (hybrid placement)\n"
+        "  --vram-budget N[,N...]    memory budget of each device in GiB (one for all, or one per device;\n"
+        "                            default: what each reports free, less a margin; 0: nothing on a device)\n"
+        "  --rpc HOST:PORT[,...]     RPC workers (`powerinfer rpc-server`) whose devices placement uses\n"
+        "  -sm, --split-mode MODE    auto, hybrid, layer or none (default auto: layer for a dense model\n"
+        "                            given -ngl, else PowerInfer's hybrid placement)\n"
+        "  -ts, --tensor-split A,B   layer split: the devices' shares of the layers (default: their budgets)\n"
         "  --reset-gpu-index         ignore MODEL.generated.gpuidx and solve the neuron placement again\n"
         "  --emulate-device          hybrid placement with the device emulated in host memory (testing)\n"
-        "  -ngl, --n-gpu-layers N    accepted for llama.cpp compatibility; placement follows --vram-budget\n"
+        "  -ngl, --n-gpu-layers N    layer split: the last N layers on the devices (-1: all; default 0)\n"
         "  --sparse-mode MODE        auto, dense, gate or predictor (default: auto, the best the file allows)\n"
         "  --sparse-threshold N      activation threshold for gate/predictor mode (default: from the file)\n"
         "  -v, --verbose             print loading details\n",
@@ -103,6 +115,24 @@ static bool parse_float(const char * s, float * out) {
     return true;
 }
 
+// "A,B,C" (or llama.cpp's "A/B/C") of finite floats >= 0 into out[0..max); false if malformed.
+static bool parse_floats(const char * s, float * out, int32_t max, int32_t * n) {
+    char buf[512];
+    if (strlen(s) >= sizeof(buf)) {
+        return false;
+    }
+    strcpy(buf, s);
+    *n = 0;
+    char * save = NULL;
+    for (char * tok = strtok_r(buf, ",/", &save); tok; tok = strtok_r(NULL, ",/", &save)) {
+        if (*n == max || !parse_float(tok, &out[*n]) || out[*n] < 0.0f) {
+            return false;
+        }
+        ++*n;
+    }
+    return *n > 0;
+}
+
 // Returns 0 on success, 1 on a bad argument, -1 when help was printed.
 static int parse_args(int argc, char ** argv, struct cli_args * a) {
     for (int i = 1; i < argc; ++i) {
@@ -133,7 +163,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             IS("-c") || IS("--ctx-size") || IS("-b") || IS("--batch-size") || IS("-s") || IS("--seed") ||
             IS("--temp") || IS("--top-k") || IS("--top-p") || IS("--min-p") || IS("--repeat-penalty") ||
             IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers") ||
-            IS("--sparse-mode") || IS("--sparse-threshold");
+            IS("--sparse-mode") || IS("--sparse-threshold") || IS("--rpc") || IS("-sm") || IS("--split-mode") ||
+            IS("-ts") || IS("--tensor-split");
         if (!takes_value) {
             return fail("unknown argument '%s' (see --help)", arg);
         }
@@ -161,7 +192,29 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         else if (IS("--min-p"))                       ok = parse_float(val, &a->min_p) && a->min_p >= 0.0f && a->min_p <= 1.0f;
         else if (IS("--repeat-penalty"))              ok = parse_float(val, &a->repeat_penalty) && a->repeat_penalty > 0.0f;
         else if (IS("--repeat-last-n"))               ok = parse_int(val, -1, INT32_MAX, &a->repeat_last_n);
-        else if (IS("--vram-budget"))                 ok = parse_float(val, &a->vram_budget) && a->vram_budget >= 0.0f;
+        else if (IS("--vram-budget")) {
+            float gib[16];
+            int32_t n = 0;
+            ok = parse_floats(val, gib, 16, &n);
+            a->vram_budget = ok ? gib[0] : a->vram_budget;
+            a->n_device_budgets = ok && n > 1 ? n : 0;
+            for (int32_t k = 0; ok && n > 1 && k < n; ++k) a->device_budgets[k] = (int64_t) ((double) gib[k] * 1073741824.0);
+        }
+        else if (IS("--rpc"))                         a->rpc_servers = val;
+        else if (IS("-ts") || IS("--tensor-split"))   ok = parse_floats(val, a->tensor_split, 16, &a->n_tensor_split);
+        else if (IS("-sm") || IS("--split-mode")) {
+            static const char * const names[] = { "auto", "hybrid", "layer", "none" };
+            ok = false;
+            for (int32_t m = 0; m < 4; ++m) {
+                if (strcmp(val, names[m]) == 0) {
+                    a->split_mode = POWERINFER_SPLIT_AUTO + m;
+                    ok = true;
+                }
+            }
+            if (!ok && strcmp(val, "row") == 0) {
+                return fail("--split-mode row (tensor parallelism) is not supported; use layer or hybrid");
+            }
+        }
         else if (IS("--sparse-threshold"))            ok = parse_float(val, &a->sparse_threshold);
         else if (IS("--sparse-mode")) {
             ok = false;
@@ -249,7 +302,7 @@ int main(int argc, char ** argv) {
     struct cli_args a = {
         .n_predict = -1, .n_ctx = 4096, .n_batch = 512, .seed = 0xFFFFFFFFu,
         .temp = sp.temp, .top_p = sp.top_p, .min_p = sp.min_p, .repeat_penalty = 1.0f,
-        .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = -1,
+        .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = 0,
         .sparse_mode = POWERINFER_SPARSE_AUTO, .sparse_threshold = NAN, .flash_attn = -1,
     };
     int rc = parse_args(argc, argv, &a);
@@ -280,6 +333,17 @@ int main(int argc, char ** argv) {
         mp.vram_budget_bytes = (int64_t) ((double) a.vram_budget * 1073741824.0);
     }
     mp.emulate_device  = a.emulate_device;
+    mp.rpc_servers     = a.rpc_servers;
+    mp.split_mode      = a.split_mode;
+    mp.tensor_split    = a.n_tensor_split ? a.tensor_split : NULL;
+    mp.n_tensor_split  = a.n_tensor_split;
+    mp.device_budgets  = a.n_device_budgets ? a.device_budgets : NULL;
+    mp.n_device_budgets = a.n_device_budgets;
+    if (a.rpc_servers) {
+        // A worker that goes away must end the generation with a message, not this process:
+        // writing to its closed socket would raise SIGPIPE.
+        signal(SIGPIPE, SIG_IGN);
+    }
     struct powerinfer_model * model = powerinfer_model_load(a.model, mp);
     if (!model) {
         fprintf(stderr, "error: failed to load model: %s\n", powerinfer_last_error());
