@@ -8,9 +8,11 @@
     powerinfer calibrate MODEL.gguf --corpus FILE... --out OUT.gguf  SiLU gate thresholds (training-free)
     powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
     powerinfer eval MODEL --text FILE... [--reference ORIGINAL.gguf]   trust card (Markdown + JSON)
+    powerinfer rpc-server [--host H] [--port P] [--mem MIB]   an RPC worker (docs/distributed.md)
 
 `powerinfer COMMAND -h` shows each command's options. Each is also runnable as
-`python -m powerinfer_py.pipeline COMMAND ...` or `python -m powerinfer_py.pipeline.<module>`.
+`python -m powerinfer_py COMMAND ...`, `python -m powerinfer_py.pipeline COMMAND ...` or
+`python -m powerinfer_py.pipeline.<module>`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ COMMANDS = {
     "calibrate": ("powerinfer_py.pipeline.calibrate", "training-free gate thresholds for SiLU models (CATS-style)"),
     "place": ("powerinfer_py.pipeline.place", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
     "eval": ("powerinfer_py.pipeline.evaluate", "trust card: per-domain perplexity, KL and top-1 vs the original, sparsity, speed"),
+    "rpc-server": ("powerinfer_py.pipeline.rpc_server", "serve this host's CPU to PowerInfer-Py and llama.cpp clients over ggml-rpc"),
 }
 
 
