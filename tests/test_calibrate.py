@@ -90,4 +90,4 @@ def test_cli_refuses_to_overwrite_input(silu_model, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT)
     assert main([silu_model, "--corpus", str(corpus), "--out", silu_model]) == 1
-    assert "must differ" in capsys.readouterr().err
+    assert "would overwrite the model" in capsys.readouterr().err

@@ -625,3 +625,95 @@ def test_sample_is_deterministic_and_reads_as_corpus(smollm2_path, tmp_path, cap
     junk.write_text('{"not": "samples"}\n')
     with pytest.raises(PipelineError, match="not a `powerinfer sample` file"):
         read_corpus([str(junk)])
+
+
+# ---------------------------------------------------------------- outputs never overwrite inputs
+
+def _tree(d: Path):
+    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# Commands that write no file (no output path to check)
+NO_FILES = {"rpc-server"}
+
+
+def test_no_command_overwrites_its_inputs(tiny, tmp_path, capsys):
+    """Issue 28, item 8: `sample MODEL --out MODEL` replaced a 98 MB model by 473 bytes of
+    JSON lines. Every command refuses an output that is one of its inputs (the model, a
+    reference, corpus, samples, predictors, statistics, text files; a file an output
+    directory would receive included), with a message and status 1, before it does anything:
+    the directory's every file is byte for byte what it was, and nothing was added."""
+    d = tmp_path
+    m, m2, c = d / "m.gguf", d / "m2.gguf", d / "c.txt"
+    shutil.copy(tiny["gguf"], m)
+    shutil.copy(tiny["gguf"], m2)
+    c.write_text(TEXT)
+    prof = d / "prof"  # a profile's output: its samples, and a file profile writes, read as corpus
+    (prof / "samples").mkdir(parents=True)
+    (prof / "samples" / "layer_0.npz").write_bytes(b"samples")
+    (prof / "profile.json").write_text(TEXT)
+    pred = d / "pred"
+    pred.mkdir()
+    (pred / "model_0.pt").write_bytes(b"predictor")
+    stats = d / "stats.gguf"
+    stats.write_bytes(b"statistics")
+    held = d / "o.card.md"  # held-out text named as `convert --out o.gguf --card` names its card
+    held.write_text(TEXT)
+    act = d / "m.gguf.generated.gpuidx"  # counts where place writes its cache
+    act.mkdir()
+    (act / "activation_0.pt").write_bytes(b"counts")
+    cases = {
+        "profile": [[m, "--corpus", c, "--out", m], [m, "--corpus", c, "--out", d / "p", "--plot", c],
+                    [m, "--corpus", prof / "profile.json", "--out", prof]],
+        "train-predictor": [["--samples", prof, "--out", prof], ["--samples", prof, "--model", m, "--out", m],
+                            ["--samples", prof / "samples" / "layer_0.npz", "--out", prof / "samples" / "layer_0.npz"]],
+        "convert": [[m, "--out", m], [m, "--stats", stats, "--out", stats], [m, "--predictors", pred, "--out", pred],
+                    [m, "--predictors", pred, "--out", pred / "model_0.pt"], [m, "--out", d / "o.gguf", "--card", held],
+                    [m2, "--out", m, "--card", c, "--card-reference", m]],
+        "sample": [[m, "--out", m, "--n-tokens", "8"]],
+        "relufy": [[m, "--corpus", c, "--out", m], [m, "--corpus", c, "--out", c],
+                   [m, "--corpus", c, "--out", d / "r.gguf", "--report", m]],
+        "calibrate": [[m, "--corpus", c, "--out", m], [m, "--corpus", c, "--out", c],
+                      [m, "--corpus", c, "--eval", held, "--out", held]],
+        "place": [[m, "--vram-budget", "1", "--emulate-device", "--activation", act]],
+        "eval": [[m, "--text", c, "--out", m], [m, "--text", f"held={held}", "--out", held],
+                 [m, "--text", c, "--reference", m2, "--out", m2]],
+    }
+    assert set(cases) == set(cli.COMMANDS) - NO_FILES  # a new command needs its cases here
+    before = _tree(d)
+    for cmd, argvs in cases.items():
+        for argv in argvs:
+            rc = cli.main([cmd, *map(str, argv)])
+            err = capsys.readouterr().err
+            assert rc == 1 and "would overwrite" in err and "Traceback" not in err, (cmd, argv, rc, err)
+            assert _tree(d) == before, (cmd, argv)
+    # a link to an input is the input; the same file spelled differently too
+    (d / "link.gguf").symlink_to(m)
+    before = _tree(d)
+    assert cli.main(["sample", str(d / "link.gguf"), "--out", str(m), "--n-tokens", "8"]) == 1
+    assert cli.main(["sample", str(m), "--out", os.path.relpath(m), "--n-tokens", "8"]) == 1
+    assert "would overwrite" in capsys.readouterr().err and _tree(d) == before
+
+
+def test_a_write_that_fails_midway_leaves_the_old_output(tiny, tmp_path):
+    """Outputs go to a temporary name beside them and are renamed when complete: a write that
+    fails midway (here the file size limit, as a full disk would) ends with an error and leaves
+    the output of an earlier run as it was, and no temporary file behind."""
+    import subprocess
+    import sys
+
+    c = tmp_path / "c.txt"
+    c.write_text(TEXT)
+    old = "an earlier card\n" * 100
+    card_md, card_json = tmp_path / "card.md", tmp_path / "card.json"
+    card_md.write_text(old)
+    card_json.write_text(old)
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256)); "
+            "from powerinfer_py.pipeline.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "eval", tiny["gguf"], "--text", str(c), "--passages", "1",
+                        "--n-tokens", "16", "--no-speed", "--out", str(card_md)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "File too large" in r.stderr, r.stderr[-2000:]
+    assert card_md.read_text() == old and card_json.read_text() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "card.json", "card.md"]

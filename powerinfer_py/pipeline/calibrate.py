@@ -22,7 +22,7 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, read_corpus, run_cli, same_file
+from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file
 
 
 def collect_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2,
@@ -119,10 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--eval", metavar="FILE", help="held-out text: print NLL and decode speed, dense vs gate")
 
-    def run(argv):
-        args = p.parse_args(argv)
-        if same_file(args.out, args.model):
-            raise PipelineError("--out must differ from the input model")
+    def run(args):
         texts = read_corpus(args.corpus)
         counts, lo, hi = collect_histograms(args.model, texts, args.n_tokens, args.threads)
         taus = thresholds_for_sparsity(counts, lo, hi, args.sparsity)
@@ -137,7 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(args.out)
         return 0
 
-    return run_cli(run, argv)
+    def paths(a):
+        inputs = [("the model", a.model, files(a.model))] + [("--corpus", f, files(f)) for f in a.corpus]
+        return [("--out", a.out, files(a.out))], inputs + [("--eval", a.eval, files(a.eval))]
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":

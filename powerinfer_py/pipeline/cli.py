@@ -22,7 +22,9 @@ import sys
 from typing import Optional, Sequence
 
 # command -> (module, one-line help). Adding a command is one line here; the module
-# needs a main(argv) -> int.
+# needs a main(argv) -> int, which runs through common.run_cli with its parser and the
+# paths it reads and writes, so that an output that is one of its inputs is refused
+# (tests/test_pipeline.py holds a case for each command that writes files).
 # Each module is imported when its command runs, so a command that does not run the
 # engine (convert, train-predictor) works without libpowerinfer.
 COMMANDS = {

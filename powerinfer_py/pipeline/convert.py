@@ -40,7 +40,7 @@ from . import evaluate
 from ..formats.gguf_io import (KEY_ACTIVATION, KEY_STATS_N_TOKENS, KEY_THRESHOLD, KEY_THRESHOLDS, OUTTYPES,
                                PWRI_MAGIC, STATS_TENSOR, add_weight, copy_kv, field, file_type, finish, new_writer,
                                open_gguf, read_stats, tensor_f32)
-from .common import PipelineError, run_cli, same_file
+from .common import PipelineError, files, run_cli, same_file
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
 GGUF_ARCHS = ("llama", "qwen2")
@@ -368,8 +368,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "llama.cpp would run a relufied GGUF with its original activation)")
     evaluate.add_arguments(p, prefix="card-")
 
-    def run(argv):
-        a = p.parse_args(argv)
+    def card_base(out: str) -> str:
+        return (out[: -len(".gguf")] if out.endswith(".gguf") else out) + ".card"
+
+    def run(a):
         domains = evaluate.parse_domains(a.card) if a.card else None  # bad --card text fails before converting
         reference = a.card_reference
         rep = convert(a.input, a.out, predictors=a.predictors, stats=a.stats, outtype=a.outtype,
@@ -378,13 +380,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if domains:
             card = evaluate.evaluate(a.out, domains, reference, n_passages=a.card_passages, n_tokens=a.card_n_tokens,
                                      n_gen=a.card_n_gen, n_prompt=a.card_n_prompt)
-            base = a.out[: -len(".gguf")] if a.out.endswith(".gguf") else a.out
-            md, js = evaluate.write_card(card, base + ".card")
+            md, js = evaluate.write_card(card, card_base(a.out))
             print(evaluate.render(card))
             print(f"card: {md}, {js}", file=sys.stderr)
         return 0
 
-    return run_cli(run, argv)
+    def paths(a):
+        written = files(a.out) + [f for c in (evaluate.card_files(card_base(a.out)) if a.card else ())
+                                  for f in files(c)]
+        # what convert reads of a Hugging Face directory (an earlier output beside it may be replaced)
+        hf = ("config.json", "generation_config.json", "*.safetensors", "tokenizer.json", "tokenizer.model",
+              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
+        inputs = [("the input", a.input, files(a.input, *hf)),
+                  ("--predictors", a.predictors, files(a.predictors, "model_*.pt", "config.json", "thresholds.json")),
+                  ("--stats", a.stats, files(a.stats, "stats.gguf", "activation_*.pt", "activation/activation_*.pt"))]
+        inputs += evaluate.card_inputs(a.card, a.card_reference, ("--card", "--card-reference"))
+        return [("--out", a.out, written)], inputs
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import numpy as np
 from .._core import Context, Model
 from .._machine import best_alternating, cpu_model, timed
 from ..formats.gguf_io import open_gguf, tensor_f32
-from .common import PipelineError, Progress, run_cli, tokenize_texts
+from .common import PipelineError, Progress, files, run_cli, tokenize_texts, write_text
 
 MODES = ("dense", "gate", "predictor")
 
@@ -51,13 +51,17 @@ MODES = ("dense", "gate", "predictor")
 # ---- the text --------------------------------------------------------------------------------
 
 
+def parse_domain(spec: str) -> Tuple[str, str]:
+    """[NAME=]FILE -> (name, path): a file whose name holds "=" is the file."""
+    name, sep, path = spec.partition("=")
+    return (Path(spec).stem, spec) if not sep or os.path.isfile(spec) else (name, path)
+
+
 def parse_domains(specs: Sequence[str]) -> List[Tuple[str, str]]:
     """[NAME=]FILE -> (name, path); names unique."""
     out: List[Tuple[str, str]] = []
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or os.path.isfile(spec):
-            name, path = Path(spec).stem, spec
+        name, path = parse_domain(spec)
         if not os.path.isfile(path):
             raise PipelineError(f"--text {spec}: no such file")
         if any(n == name for n, _ in out):
@@ -428,14 +432,24 @@ def render(card: Dict[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_card(card: Dict[str, Any], out: str) -> Tuple[str, str]:
-    """CARD.md and CARD.json (out without its .md/.json suffix)."""
+def card_files(out: str) -> Tuple[str, str]:
+    """The CARD.md and CARD.json of --out (with or without its .md/.json suffix)."""
     base = out[:-3] if out.endswith(".md") else out[:-5] if out.endswith(".json") else out
-    Path(base).parent.mkdir(parents=True, exist_ok=True)
-    md, js = base + ".md", base + ".json"
-    Path(md).write_text(render(card))
-    Path(js).write_text(json.dumps(card, indent=1))
+    return base + ".md", base + ".json"
+
+
+def write_card(card: Dict[str, Any], out: str) -> Tuple[str, str]:
+    """CARD.md and CARD.json (card_files(out))."""
+    md, js = card_files(out)
+    Path(md).parent.mkdir(parents=True, exist_ok=True)
+    write_text(md, render(card))
+    write_text(js, json.dumps(card, indent=1))
     return md, js
+
+
+def card_inputs(texts: Optional[Sequence[str]], reference: Optional[str], options=("--text", "--reference")):
+    """check_paths' inputs of a card beside its model: the domains' files and the reference."""
+    return [(options[0], t, files(parse_domain(t)[1])) for t in texts or ()] + [(options[1], reference, files(reference))]
 
 
 def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -458,8 +472,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", help="write OUT.md and OUT.json (default: only print the Markdown)")
     add_arguments(p)
 
-    def run(argv):
-        a = p.parse_args(argv)
+    def run(a):
         if not os.path.isfile(a.model):
             raise PipelineError(f"{a.model}: no such file")
         card = evaluate(a.model, parse_domains(a.text), a.reference,
@@ -470,7 +483,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             md, js = write_card(card, a.out)
             print(f"card: {md}, {js}", file=sys.stderr)
 
-    return run_cli(run, argv)
+    def paths(a):  # --out itself too: `--out MODEL` is a slip, even if the card lands beside it
+        written = [f for out in ([a.out, *card_files(a.out)] if a.out else []) for f in files(out)]
+        return [("--out", a.out, written)], [("the model", a.model, files(a.model))] + card_inputs(a.text, a.reference)
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":

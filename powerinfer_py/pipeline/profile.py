@@ -35,7 +35,7 @@ import numpy as np
 from .._core import Context, Model
 from ..formats import pt_io
 from ..formats.gguf_io import write_stats_gguf
-from .common import PipelineError, Progress, read_corpus, run_cli, tokenize_texts
+from .common import PipelineError, Progress, files, read_corpus, replacing, run_cli, tokenize_texts, write_text
 
 CURVE_POINTS = (0.01, 0.05, 0.10, 0.20, 0.50)
 
@@ -107,10 +107,11 @@ def profile(model_path: str, corpus: Sequence[str], out: str, n_tokens: int = 81
         for il in range(n_layer):
             x = np.concatenate(xs[il]) if xs[il] else np.zeros((0, n_embd), np.float32)
             x16 = x.astype(np.float16)
-            np.savez(sdir / f"layer_{il}.npz", x=x16 if np.isfinite(x16).all() else x,
-                     mask=np.concatenate(ms[il]) if ms[il] else np.zeros((0, (n_ff + 7) // 8), np.uint8),
-                     n_ff=np.int64(n_ff))
-    (outp / "profile.json").write_text(json.dumps(rep, indent=1))
+            with replacing(sdir / f"layer_{il}.npz") as tmp, open(tmp, "wb") as f:  # a name would gain .npz
+                np.savez(f, x=x16 if np.isfinite(x16).all() else x,
+                         mask=np.concatenate(ms[il]) if ms[il] else np.zeros((0, (n_ff + 7) // 8), np.uint8),
+                         n_ff=np.int64(n_ff))
+    write_text(outp / "profile.json", json.dumps(rep, indent=1))
     return rep
 
 
@@ -148,7 +149,8 @@ def plot(rep: Dict, counts: Sequence[np.ndarray], png: str) -> None:
     a2.set_ylabel("firing frequency")
     a2.set_title(f"firing frequency by rank (mean sparsity {rep['mean_sparsity']:.1%})")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    with replacing(png) as tmp:  # the format from png's name: the temporary one has none
+        fig.savefig(tmp, dpi=110, format=Path(png).suffix[1:] or "png")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -164,8 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PNG", help="save the hot-neuron curves as a PNG (needs matplotlib)")
 
-    def run(argv):
-        a = p.parse_args(argv)
+    def run(a):
         rep = profile(a.model, a.corpus, a.out, n_tokens=a.n_tokens, samples=a.samples, ctx_len=a.ctx,
                       n_threads=a.threads, seed=a.seed)
         print(format_report(rep))
@@ -174,7 +175,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"plot: {a.plot}")
         return 0
 
-    return run_cli(run, argv)
+    def paths(a):
+        out = [("--out", a.out, files(a.out, "activation/activation_*.pt", "stats.gguf", "profile.json",
+                                      "samples/layer_*.npz")), ("--plot", a.plot, files(a.plot))]
+        return out, [("the model", a.model, files(a.model))] + [("--corpus", f, files(f)) for f in a.corpus]
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":

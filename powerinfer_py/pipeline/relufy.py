@@ -51,7 +51,7 @@ import numpy as np
 from ..formats.gguf_io import (KEY_ACTIVATION, KEY_GATE_THRESHOLDS, KEY_THRESHOLD, KEY_THRESHOLDS, add_weight, copy_kv,
                                field, file_type, finish, new_writer, open_gguf, tensor_f32)
 from ..llama import Llama
-from .common import PipelineError, Progress, read_corpus, run_cli, same_file, tokenize_texts
+from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, tokenize_texts, write_text
 
 ACTS = ("silu", "relu", "drelu")
 ARCHS = ("llama", "qwen2")  # qwen2: llama with q/k/v biases and RoPE in NEOX mode (rotated halves)
@@ -638,8 +638,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="steer the L1 coefficient (starting from --l1) so that a share S of the FFN activations "
                         "is zero, in both stages (default: a fixed --l1, ramped up)")
 
-    def run(argv):
-        a = p.parse_args(argv)
+    def run(a):
         rep = relufy(a.model, a.corpus, a.out, act=a.act, l1=a.l1, shift=a.fatrelu_shift, steps=a.steps,
                      seq_len=a.seq_len, batch=a.batch, lr=a.lr, outtype=a.outtype, checkpoint_dir=a.checkpoint_dir,
                      checkpoint_every=a.checkpoint_every, resume=a.resume, n_tokens=a.n_tokens, seed=a.seed,
@@ -647,11 +646,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      layerwise_steps=a.layerwise_steps, layerwise_seqs=a.layerwise_seqs, layerwise_lr=a.layerwise_lr,
                      target_sparsity=a.target_sparsity)
         if a.report:
-            Path(a.report).write_text(json.dumps(rep, indent=1))
+            write_text(a.report, json.dumps(rep, indent=1))
         print(json.dumps(rep, indent=1))
         return 0
 
-    return run_cli(run, argv)
+    def paths(a):
+        outputs = [("--out", a.out, files(a.out)), ("--report", a.report, files(a.report)),
+                   ("--checkpoint-dir", a.checkpoint_dir,  # its files: the directory may hold the inputs
+                    files(a.checkpoint_dir, "relufy-checkpoint.pt", "relufy-layerwise.pt")[1:])]
+        return outputs, [("the model", a.model, files(a.model))] + [("--corpus", f, files(f)) for f in a.corpus]
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":

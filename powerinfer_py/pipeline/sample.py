@@ -39,7 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .common import PipelineError, Progress, read_samples, run_cli
+from .common import PipelineError, Progress, files, read_samples, replacing, run_cli
 
 TOPICS = (
     "cooking dinner for friends", "the ocean", "a job interview", "friendship", "learning to drive",
@@ -176,13 +176,11 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
     llm.close()
     k, total = prefix_tokens()
     recs = [done[i] for i in range(k)]
-    tmp = f"{out}.tmp{os.getpid()}"
     Path(os.path.dirname(os.path.abspath(out))).mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
+    with replacing(out) as tmp, open(tmp, "w") as f:
         f.write(json.dumps({"powerinfer_samples": settings}) + "\n")
         for r in recs:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
     dt = time.time() - t0
     print(f"sample: {len(recs)} samples, {total} tokens in {dt:.0f} s ({total / max(dt, 1e-9):.0f} tok/s; engine busy "
           f"{st['busy_seconds']:.0f} s, {st['tokens_generated'] / max(st['steps'], 1):.1f} tokens a step) -> {out}",
@@ -190,7 +188,7 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
     return {"out": out, "samples": len(recs), "n_tokens": total, "seconds": dt, "reused": False}
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="powerinfer sample", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF model to sample from (the original, for distillation)")
@@ -201,13 +199,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="engine threads (default: the engine's choice)")
     p.add_argument("--skip-existing", action="store_true", help="keep an output made with the same settings")
-    a = p.parse_args(argv)
-    sample(a.model, a.out, a.n_tokens, a.max_tokens, a.parallel, a.seed, a.threads, a.skip_existing)
-    return 0
 
+    def run(a):
+        sample(a.model, a.out, a.n_tokens, a.max_tokens, a.parallel, a.seed, a.threads, a.skip_existing)
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_cli(_main, argv)
+    return run_cli(run, argv, p, lambda a: ([("--out", a.out, files(a.out))], [("the model", a.model, files(a.model))]))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..formats import pt_io
 from ..formats.gguf_io import field, open_gguf
-from .common import PipelineError, Progress, run_cli
+from .common import PipelineError, Progress, files, run_cli, write_text
 
 
 # ---------------------------------------------------------------- metrics and thresholds
@@ -234,12 +234,16 @@ def train(samples, out: str, model: Optional[str] = None, budget: Optional[int] 
     bar.close()
     thr = [r["threshold"] for r in rows]
     glob = float(min(thr))
-    pt_io.write_predictor_dir(out, preds, sparse_threshold=glob)
+    pt_io.write_predictor_dir(out, preds)
+    # PowerInfer's convert.py reads sparse_threshold from the predictor dir's config.json
+    cfg = Path(out) / "config.json"
+    write_text(cfg, json.dumps({**(json.loads(cfg.read_text()) if cfg.is_file() else {}), "sparse_threshold": glob},
+                               indent=1))
     rep = {"sparse_threshold": glob, "sparse_thresholds": thr, "target_recall": target_recall, "n_layer": n_layer,
            "n_embd": n_embd, "n_ff": n_ff, "params": int(sum(ranks) * (n_embd + n_ff)), "wall_s": time.time() - t0,
            "mean_recall": float(np.mean([r["recall"] for r in rows])),
            "mean_precision": float(np.mean([r["precision"] for r in rows])), "layers": rows}
-    (Path(out) / "thresholds.json").write_text(json.dumps(rep, indent=1))
+    write_text(Path(out) / "thresholds.json", json.dumps(rep, indent=1))
     return rep
 
 
@@ -271,14 +275,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory (model_{i}.pt, thresholds.json)")
 
-    def run(argv):
-        a = p.parse_args(argv)
+    def run(a):
         rep = train(a.samples, a.out, model=a.model, budget=a.param_budget, rank=a.rank, target_recall=a.target_recall,
                     epochs=a.epochs, lr=a.lr, seed=a.seed, min_steps=a.min_steps)
         print(format_report(rep))
         return 0
 
-    return run_cli(run, argv)
+    def paths(a):
+        return ([("--out", a.out, files(a.out, "model_*.pt", "config.json", "thresholds.json"))],
+                [("--samples", a.samples, files(a.samples, "samples", "samples/layer_*.npz", "layer_*.npz")),
+                 ("--model", a.model, files(a.model))])
+
+    return run_cli(run, argv, p, paths)
 
 
 if __name__ == "__main__":
