@@ -17,6 +17,7 @@ from conftest import REPO_DIR
 
 DRIVER = Path(REPO_DIR) / "build" / "bin" / "test-placement-plan"
 HOST = -1
+NO_OUTPUT = 2**64 - 1  # PI_PLAN_NO_OUTPUT: a device that never takes the output (an RPC worker)
 CLASSES = ("attn", "pred", "ffn_norm")
 
 
@@ -61,6 +62,13 @@ def _reference_hybrid(case):
         size = (lambda dd: case["dev"][dd]["output"]) if cls == "output" else (lambda dd: case["dev"][dd]["layers"][il][cls])
         if cls != "output" and size(0) == 0:
             continue
+        if cls == "output":
+            # A device that never takes the output is passed over; none left: it stays home.
+            takes = lambda dd: case["dev"][dd]["output"] != NO_OUTPUT
+            if not any(takes(dd) for dd in range(d, n_dev)):
+                break
+            while d < n_dev and not (takes(d) and _fits(case, used, d, size(d))):
+                d += 1
         while d < n_dev and not _fits(case, used, d, size(d)):
             d += 1
         if d == n_dev:
@@ -108,7 +116,7 @@ def _random_case(rng: random.Random, mode: int) -> Dict:
                    "ffn_norm": rng.randint(1, 3), "ffn": rng.randint(10, 80), "kv": rng.randint(0, 30),
                    "group": rng.choice([0, 5, 7, 10]) if mode == 0 else 0} for _ in range(n_layer)]
         dev.append({"budget": rng.randint(0, 300), "reserve": rng.randint(0, 40), "share": rng.choice([0.0, 0.0, 1.0, 2.5]),
-                    "output": rng.randint(5, 60), "layers": layers})
+                    "output": NO_OUTPUT if rng.random() < 0.25 else rng.randint(5, 60), "layers": layers})
     n_groups = 3 if mode == 0 else 0
     values = []
     for _ in range(n_layer * (1 if n_groups else 0)):
@@ -167,6 +175,7 @@ def test_layer_split_is_contiguous_by_share_and_fits(driver):
         placed = [d for d in plan["attn"] if d != HOST]
         assert placed == sorted(placed), (case, plan)  # device ranges in order
         if plan["output"][0] != HOST:
+            assert case["dev"][plan["output"][0]]["output"] != NO_OUTPUT, (case, plan)
             assert ngl < 0 or ngl > n_layer
             assert plan["output"][0] == plan["attn"][n_layer - 1]
             used[plan["output"][0]] += case["dev"][plan["output"][0]]["output"]
@@ -185,6 +194,23 @@ def test_layer_split_follows_the_shares_when_everything_fits(driver):
     assert plan["attn"] == [0, 0, 1, 1, 1, 1, 1, 1] and plan["output"] == [1]
     plan = _run({"mode": 1, "n_layer": 8, "ngl": 4, "dev": dev, "n_groups": 0, "values": [], "capacity": [0, 0]})
     assert plan["attn"] == [HOST] * 4 + [0, 1, 1, 1] and plan["output"] == [HOST]
+
+
+def test_a_device_that_never_takes_the_output_does_not_stop_the_classes(driver):
+    """An RPC worker never takes the LM head (logits would cross the link every token): the
+    output stays home, and the KV cache and FFN rows are still placed, in both modes."""
+    layers = [{"attn": 1, "pred": 0, "ffn_norm": 1, "ffn": 1, "kv": 1, "group": 1} for _ in range(4)]
+    dev = [{"budget": 10**6, "reserve": 0, "share": 0.0, "output": NO_OUTPUT, "layers": layers}]
+    for mode in (0, 1):
+        plan = _run({"mode": mode, "n_layer": 4, "ngl": -1, "dev": dev, "n_groups": 1, "values": [1.0] * 4,
+                     "capacity": [10]})
+        assert plan["output"] == [HOST] and plan["dense_all"] == [1 - mode], (mode, plan)  # layer split: 0
+        assert plan["attn"] == plan["kv"] == plan["ffn"] == [0] * 4, (mode, plan)
+    # With a second device that takes it, the output goes there (after the first is passed over).
+    two = dev + [{"budget": 10**6, "reserve": 0, "share": 0.0, "output": 5, "layers": layers}]
+    plan = _run({"mode": 0, "n_layer": 4, "ngl": -1, "dev": two, "n_groups": 1, "values": [1.0] * 4,
+                 "capacity": [10, 10]})
+    assert plan["output"] == [1] and plan["attn"] == [0] * 4 and plan["dense_all"] == [1], plan
 
 
 def test_plan_rejects_bad_input(driver):

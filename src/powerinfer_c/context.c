@@ -132,6 +132,7 @@ static void host_drop_scheduler(void * self) {
     if (ctx->sched) {
         ggml_backend_sched_free(ctx->sched);
         ctx->sched = NULL;
+        ctx->last.valid = false;  // its graph was allocated by the scheduler
     }
 }
 
@@ -144,8 +145,22 @@ static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
     }
     struct ggml_cgraph * gf = build_reserve_graph(ctx);
     if (gf) pin_custom_ops(ctx, gf);
-    if (!gf || !ggml_backend_sched_reserve(ctx->sched, gf)) {
-        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot reserve the compute buffers");
+    if (!gf) {
+        return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the graph that sizes the compute buffers");
+    }
+    if (!ggml_backend_sched_reserve(ctx->sched, gf)) {
+        // Name the devices and what they report free: the budget was above what one holds.
+        char where[512] = "";
+        size_t n = 0;
+        const struct pi_placement * pl = &ctx->model->placement;
+        for (int32_t d = 0; d < pl->n_dev && n < sizeof(where); ++d) {
+            uint64_t f = 0, t = 0;
+            pi_device_memory(&pl->devs[d].dev, &f, &t);
+            n += (size_t) snprintf(where + n, sizeof(where) - n, "%s%s: %.1f of %.1f MiB free", d ? "; " : "",
+                                   pl->devs[d].dev.name, f / 1048576.0, t / 1048576.0);
+        }
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute buffers on the devices (%s); a smaller "
+                       "vram_budget, n_ctx or n_batch leaves them room", where);
     }
     // An emulated device's share is the CPU's whole buffer (it lives in host memory too).
     const struct pi_placement * pl = &ctx->model->placement;
@@ -157,12 +172,14 @@ static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
 }
 
 // Re-creates the KV cache with each layer where bufts says (NULL: host memory); contents
-// are not kept (placement happens before the first decode).
+// are not kept (placement happens before the first decode). The sizes come from the
+// context's parameters, not from the cache: a failed move leaves no cache behind, and the
+// move back to host memory that follows must make the context's whole cache again.
 static int32_t host_move_kv(void * self, const ggml_backend_buffer_type_t * bufts) {
     struct powerinfer_context * ctx = self;
-    const bool v_trans = ctx->kv.v_trans;
-    const uint32_t size = ctx->kv.size;
-    const uint32_t n_seq_max = ctx->kv.n_seq_max;
+    const bool v_trans = !ctx->params.flash_attn;
+    const uint32_t size = ctx->params.n_ctx;
+    const uint32_t n_seq_max = ctx->params.n_seq_max;
     pi_kv_cache_free(&ctx->kv);
     ctx->last.valid = false;
     return pi_kv_cache_init(&ctx->kv, ctx->model, size, n_seq_max, v_trans, bufts);
@@ -570,29 +587,29 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     // The graph depends on the shapes only (positions and cache cells are inputs), so
     // the previous one is reused, already allocated, while they stay the same.
     struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
+    // With the scheduler (placement on devices) reusing the graph also keeps its splits, so an
+    // RPC worker is sent "compute the graph again" instead of the whole graph each step.
     struct ggml_cgraph * gf;
-    if (ctx->sched) {
-        // Hybrid placement: the scheduler splits the graph between the device and the CPU.
-        ggml_backend_sched_reset(ctx->sched);
-        gf = build_chunk(ctx, &gp, &in);
-        if (!gf) {
-            return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
-        }
-        pin_custom_ops(ctx, gf);
-        if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
-            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
-        }
-    } else if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs &&
-               ctx->last.first_token == gp.first_token) {
+    if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs &&
+        ctx->last.first_token == gp.first_token) {
         gf = ctx->last.gf;
         in = ctx->last.in;
     } else {
         ctx->last.valid = false;
+        if (ctx->sched) {
+            ggml_backend_sched_reset(ctx->sched);
+        }
         gf = build_chunk(ctx, &gp, &in);
         if (!gf) {
             return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
         }
-        if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
+        if (ctx->sched) {
+            // Placement: the scheduler splits the graph between the devices and the CPU.
+            pin_custom_ops(ctx, gf);
+            if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
+                return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+            }
+        } else if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
             return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
         }
         ctx->last.valid     = true;

@@ -106,19 +106,29 @@ static int32_t env_count(const char * name) {
 // Device d's budget in bytes: the caller's (per device, or one for all), else its free
 // memory less a margin (512 MiB, at most a sixteenth of what it has).
 static uint64_t device_budget(const struct powerinfer_model_params * p, const struct pi_device * dev, int32_t d) {
-    if (p->device_budgets && d < p->n_device_budgets) {
-        return p->device_budgets[d] > 0 ? (uint64_t) p->device_budgets[d] : 0;
-    }
-    if (p->vram_budget_bytes > 0) {
-        return (uint64_t) p->vram_budget_bytes;
-    }
-    if (p->vram_budget_gib >= 0.0f) {
-        return (uint64_t) floor((double) p->vram_budget_gib * (double) (1ull << 30));
-    }
     uint64_t free_b = 0, total_b = 0;
     pi_device_memory(dev, &free_b, &total_b);
     const uint64_t margin = total_b / 16 < PI_DEVICE_MARGIN ? total_b / 16 : PI_DEVICE_MARGIN;
-    return free_b > margin ? free_b - margin : 0;
+    const uint64_t avail  = free_b > margin ? free_b - margin : 0;  // the automatic budget
+    uint64_t asked;
+    if (p->device_budgets && d < p->n_device_budgets) {
+        asked = p->device_budgets[d] > 0 ? (uint64_t) p->device_budgets[d] : 0;
+    } else if (p->vram_budget_bytes > 0) {
+        asked = (uint64_t) p->vram_budget_bytes;
+    } else if (p->vram_budget_gib >= 0.0f) {
+        asked = (uint64_t) floor((double) p->vram_budget_gib * (double) (1ull << 30));
+    } else {
+        return avail;
+    }
+    // A budget above what the device has free is clamped to the automatic one (what an
+    // 8 GiB budget means on a 6 GiB card); an emulated device's memory is the host's.
+    if (total_b > 0 && asked > avail) {
+        pi_log(POWERINFER_LOG_WARN, "powerinfer: placement: the budget of %.1f MiB for %s is more than it has free "
+               "(%.1f of %.1f MiB); using %.1f MiB\n", asked / 1048576.0, dev->name, free_b / 1048576.0,
+               total_b / 1048576.0, avail / 1048576.0);
+        return avail;
+    }
+    return asked;
 }
 
 // The plan's mode for these parameters (enum powerinfer_split_mode; see powerinfer.h).
@@ -189,7 +199,7 @@ struct pi_plan_sizes {
 
 // The plan's input: every class's bytes on every device.
 static int32_t plan_input(struct powerinfer_model * model, const struct pi_placement_host * host, enum pi_plan_mode mode,
-                          const struct pi_dense_item * items, int32_t n_items, uint64_t reserve,
+                          const struct pi_dense_item * items, int32_t n_items, const uint64_t * reserve,
                           struct pi_plan_sizes * sizes, struct pi_plan_input * in) {
     struct pi_placement * pl = &model->placement;
     const int32_t n_layer = model->hp.n_layer;
@@ -204,7 +214,7 @@ static int32_t plan_input(struct powerinfer_model * model, const struct pi_place
         const struct pi_device * dev = &pl->devs[d].dev;
         struct pi_plan_device * pd = &in->dev[d];
         pd->budget  = pl->devs[d].budget;
-        pd->reserve = reserve;
+        pd->reserve = reserve[d];
         pd->share   = d < model->params.n_tensor_split && model->params.tensor_split ? model->params.tensor_split[d] : 0.0;
         pd->layers  = sizes->layers[d];
         for (int32_t i = 0; i < n_items; ++i) {
@@ -218,6 +228,11 @@ static int32_t plan_input(struct powerinfer_model * model, const struct pi_place
                 case PI_ITEM_FFN:      lb->ffn += b; break;
                 case PI_ITEM_OUTPUT:   pd->output += b; break;
             }
+        }
+        if (dev->rpc) {
+            // The LM head stays home: an RPC worker holding it would send n_vocab logits back
+            // every token (196 KiB for SmolLM2) where the hidden state is n_embd floats.
+            pd->output = PI_PLAN_NO_OUTPUT;
         }
         for (int32_t il = 0; il < n_layer; ++il) {
             struct pi_plan_layer_bytes * lb = &sizes->layers[d][il];
@@ -477,6 +492,7 @@ static int32_t undo(struct powerinfer_model * model, const struct pi_placement_h
         pl->devs[d].n_hot = 0;
     }
     pl->active = false;
+    memset(pl->kv_dev, PI_PLAN_HOST, sizeof(pl->kv_dev));
     return kv ? host->move_kv(host->self, NULL) : POWERINFER_OK;
 }
 
@@ -555,44 +571,69 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
         }
     }
 
-    // 1-5 (or the layer split): the plan, then the dense copies and the KV cache.
+    // 1-6, up to three times: the plan, the dense copies and the KV cache, then the compute
+    // buffers as the scheduler lays them out. The first plan reserves the CPU-only estimate
+    // for them; a device's share can be larger (a split graph copies its inputs across, a
+    // partial layer split keeps the hidden state's copies), so when the measured buffers
+    // do not fit the plan is undone and solved again reserving what was measured.
+    uint64_t reserve[PI_MAX_DEVICES];
+    for (int32_t d = 0; d < n_dev; ++d) reserve[d] = c_est + slack;
     n_items = collect_dense(model, pl->mode, items);
-    if ((rc = plan_input(model, host, pl->mode, items, n_items, c_est + slack, sizes, in)) != POWERINFER_OK ||
-        (rc = pi_plan_solve(in, plan)) != POWERINFER_OK) {
-        goto done;
-    }
-    int32_t n_placed = 0;
-    for (int32_t i = 0; i < n_items; ++i) {
-        const struct pi_dense_item * it = &items[i];
-        switch (it->cls) {
-            case PI_ITEM_ATTN:     items[i].dev = plan->attn[it->layer]; break;
-            case PI_ITEM_PRED:     items[i].dev = plan->pred[it->layer]; break;
-            case PI_ITEM_FFN_NORM: items[i].dev = plan->ffn_norm[it->layer]; break;
-            case PI_ITEM_FFN:      items[i].dev = plan->ffn[it->layer]; break;
-            case PI_ITEM_OUTPUT:   items[i].dev = plan->output; break;
+    for (int attempt = 0;; ++attempt) {
+        if ((rc = plan_input(model, host, pl->mode, items, n_items, reserve, sizes, in)) != POWERINFER_OK ||
+            (rc = pi_plan_solve(in, plan)) != POWERINFER_OK) {
+            goto done;
         }
-        n_placed += items[i].dev >= 0;
-    }
-    bool kv_planned = false;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) kv_planned |= plan->kv[il] >= 0;
-    if (n_placed == 0 && !kv_planned) {
-        pi_log(POWERINFER_LOG_INFO, "%s: nothing fits in the devices' budgets (the compute buffers alone take about "
-               "%.1f MiB each); running on the CPU\n", tag, (c_est + slack) / 1048576.0);
-        goto done;
-    }
-    rc = pi_offload_dense(model, devs, items, n_items);
-    for (int32_t d = 0; d < n_dev; ++d) pl->devs[d].bytes_dense = pi_offload_dense_bytes(&model->offload, d);
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        if (plan->attn[il] >= 0) pl->devs[plan->attn[il]].n_layers_attn++;
-    }
-    if (rc == POWERINFER_OK) rc = move_kv(model, host, plan);
-    pl->active = rc == POWERINFER_OK;
-
-    // 6: the compute buffers as the scheduler lays them out.
-    if (pl->active) rc = remeasure(pl, host);
-    if (rc == POWERINFER_OK && pl->active && over_budget(pl)) {
-        pi_log(POWERINFER_LOG_WARN, "%s: the compute buffers do not fit next to the dense weights; nothing placed\n", tag);
-        pl->active = false;
+        int32_t n_placed = 0;
+        for (int32_t i = 0; i < n_items; ++i) {
+            const struct pi_dense_item * it = &items[i];
+            switch (it->cls) {
+                case PI_ITEM_ATTN:     items[i].dev = plan->attn[it->layer]; break;
+                case PI_ITEM_PRED:     items[i].dev = plan->pred[it->layer]; break;
+                case PI_ITEM_FFN_NORM: items[i].dev = plan->ffn_norm[it->layer]; break;
+                case PI_ITEM_FFN:      items[i].dev = plan->ffn[it->layer]; break;
+                case PI_ITEM_OUTPUT:   items[i].dev = plan->output; break;
+            }
+            n_placed += items[i].dev >= 0;
+        }
+        bool kv_planned = false;
+        for (int32_t il = 0; il < model->hp.n_layer; ++il) kv_planned |= plan->kv[il] >= 0;
+        if (n_placed == 0 && !kv_planned) {
+            pi_log(POWERINFER_LOG_INFO, "%s: nothing fits in the devices' budgets (the compute buffers alone take about "
+                   "%.1f MiB each); running on the CPU\n", tag, reserve[0] / 1048576.0);
+            goto done;
+        }
+        rc = pi_offload_dense(model, devs, items, n_items);
+        for (int32_t d = 0; d < n_dev; ++d) pl->devs[d].bytes_dense = pi_offload_dense_bytes(&model->offload, d);
+        for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+            if (plan->attn[il] >= 0) pl->devs[plan->attn[il]].n_layers_attn++;
+        }
+        if (rc == POWERINFER_OK) rc = move_kv(model, host, plan);
+        pl->active = rc == POWERINFER_OK;
+        if (pl->active) rc = remeasure(pl, host);
+        if (rc != POWERINFER_OK || !pl->active || !over_budget(pl)) {
+            break;
+        }
+        // Over a budget: reserve what was measured (and the slack) where it grew, and again.
+        bool grew = false;
+        for (int32_t d = 0; d < n_dev; ++d) {
+            const uint64_t want = pl->devs[d].bytes_compute + slack;
+            if (want > reserve[d]) {
+                reserve[d] = want;
+                grew = true;
+            }
+        }
+        const int32_t rc_undo = undo(model, host, items, n_items);
+        if (rc_undo != POWERINFER_OK) {
+            rc = rc_undo;
+            goto done;
+        }
+        if (!grew || attempt == 2) {
+            pi_log(POWERINFER_LOG_WARN, "%s: the compute buffers do not fit next to the dense weights; nothing placed\n", tag);
+            goto done;
+        }
+        pi_log(POWERINFER_LOG_INFO, "%s: the compute buffers outgrew their reserve; solving again\n", tag);
+        for (int32_t i = 0; i < n_items; ++i) items[i].dev = PI_PLAN_HOST;
     }
 
     // 7: FFN neurons (a layer split's whole FFNs; the hybrid's hottest ones).

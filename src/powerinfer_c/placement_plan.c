@@ -198,8 +198,21 @@ static void solve_hybrid(const struct pi_plan_input * in, struct pi_plan * p) {
             if (order[k] != PI_CLASS_OUTPUT && class_bytes(in, 0, order[k], il) == 0) {
                 continue;  // the model has no such tensors (no predictor, falcon's ffn_norm)
             }
-            while (d < in->n_dev && !fits(in, p, d, class_bytes(in, d, order[k], il))) {
-                ++d;
+            if (order[k] == PI_CLASS_OUTPUT) {
+                // Devices that never take the output are passed over; when no device from
+                // the current one on would take it, it stays home and nothing stops.
+                bool any = false;
+                for (int32_t dd = d; dd < in->n_dev; ++dd) any |= in->dev[dd].output != PI_PLAN_NO_OUTPUT;
+                if (!any) {
+                    break;
+                }
+                while (d < in->n_dev && (in->dev[d].output == PI_PLAN_NO_OUTPUT || !fits(in, p, d, in->dev[d].output))) {
+                    ++d;
+                }
+            } else {
+                while (d < in->n_dev && !fits(in, p, d, class_bytes(in, d, order[k], il))) {
+                    ++d;
+                }
             }
             if (d == in->n_dev) {
                 stopped = true;
@@ -272,7 +285,7 @@ static void solve_layers(const struct pi_plan_input * in, struct pi_plan * p) {
     }
     // The output with the last layer, if asked and it fits there.
     const int8_t last = p->attn[n_layer - 1];
-    if (output && last != PI_PLAN_HOST && fits(in, p, last, in->dev[last].output)) {
+    if (output && last != PI_PLAN_HOST && in->dev[last].output != PI_PLAN_NO_OUTPUT && fits(in, p, last, in->dev[last].output)) {
         p->output = last;
         p->used[last] += in->dev[last].output;
     }

@@ -32,11 +32,16 @@ struct pi_plan_layer_bytes {
     uint64_t group;     // hybrid: one group of hot neurons' rows (0: the layer takes none)
 };
 
+// pi_plan_device.output of a device that never takes the LM head (an RPC worker: it would
+// send n_vocab logits back every token where the hidden state is n_embd floats). The output
+// then stays on the host without stopping the dense classes.
+#define PI_PLAN_NO_OUTPUT UINT64_MAX
+
 struct pi_plan_device {
     uint64_t budget;    // bytes the device may hold, all classes and its compute buffers
     uint64_t reserve;   // of which kept for its compute buffers
     double   share;     // layer split: its relative share of the layers (<= 0 on every device: by budget)
-    uint64_t output;    // the output norm and matrix
+    uint64_t output;    // the output norm and matrix; PI_PLAN_NO_OUTPUT: never on this device
     const struct pi_plan_layer_bytes * layers;  // [n_layer]
 };
 
