@@ -48,6 +48,7 @@ __all__ = [
     "cache_dir",
     "fetch",
     "llama_cpp_sdist_dir",
+    "llama_cpp_sdist_tarball",
     "main",
     "model_path",
     "models_dir",
@@ -458,6 +459,14 @@ def _extract_members(tarball: Path, pattern: str, out_dir: Path) -> int:
                 shutil.copyfileobj(src, f, _CHUNK)
             n += 1
     return n
+
+
+def llama_cpp_sdist_tarball() -> "Path | None":
+    """The cached, verified llama-cpp-python sdist (scripts/setup.sh builds from it), or None."""
+    path = cache_dir() / "sdist" / LLAMA_CPP_SDIST.filename
+    if path.is_file() and _is_verified(path, LLAMA_CPP_SDIST.sha256, f"hashing {path.name}"):
+        return path
+    return None
 
 
 def llama_cpp_sdist_dir() -> str:
