@@ -14,7 +14,20 @@
 #                             different value builds another wheel
 #   POWERINFER_LLAMA_CFLAGS   C/C++ flags of that build (default on x86_64: no AMX, see below)
 #   PYTHON                    interpreter that creates .venv (default python3)
+#   POWERINFER_VULKAN=1       same as --vulkan
+#
+# Options:
+#   --vulkan   also build (or reuse) ggml's Vulkan backend as a loadable module, beside the
+#              unchanged CPU wheel: scripts/build_vulkan.sh, docs/hybrid.md#vulkan
 set -euo pipefail
+
+VULKAN=${POWERINFER_VULKAN:-0}
+for arg in "$@"; do
+    case $arg in
+        --vulkan) VULKAN=1 ;;
+        *) echo "error: unknown argument '$arg' (setup.sh [--vulkan])" >&2; exit 2 ;;
+    esac
+done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -234,5 +247,10 @@ CMAKE=cmake
 [ -x "$VENV/bin/cmake" ] && CMAKE=$VENV/bin/cmake
 "$CMAKE" -S . -B build -DPython3_EXECUTABLE="$VPY" -DCMAKE_BUILD_TYPE=Release
 "$CMAKE" --build build -j "$JOBS"
+
+# --------------------------------------------------------------------------- Vulkan (opt-in)
+if [ "$VULKAN" = 1 ]; then
+    PYTHON=$VPY "$ROOT/scripts/build_vulkan.sh"
+fi
 
 phase "setup done"

@@ -7,6 +7,21 @@ cd "$ROOT"
 
 ./scripts/setup.sh
 
+# ggml's Vulkan backend as a loadable module, for the device tests on Mesa's software Vulkan
+# (tests/test_device.py through tests/test_vulkan_backend.py; docs/hybrid.md#vulkan). Built
+# once and cached; it needs apt packages (installed when running as root). Without them the
+# device tests are skipped, unless POWERINFER_REQUIRE_VULKAN=1 (CI) makes that an error.
+if [ "${POWERINFER_VULKAN:-1}" != 0 ]; then
+    printf '\n==> %s\n' "Vulkan backend module (scripts/build_vulkan.sh)"
+    if ! ./scripts/build_vulkan.sh; then
+        if [ "${POWERINFER_REQUIRE_VULKAN:-0}" = 1 ]; then
+            echo "error: the Vulkan backend module could not be built (POWERINFER_REQUIRE_VULKAN=1)" >&2
+            exit 1
+        fi
+        echo "warning: no Vulkan backend module: the device tests will be skipped" >&2
+    fi
+fi
+
 printf '\n==> %s\n' "test assets (models + llama.cpp tokenizer fixtures)"
 .venv/bin/python -m powerinfer_py.assets.models fetch all
 .venv/bin/python -m powerinfer_py.assets.models vocab-fixtures
