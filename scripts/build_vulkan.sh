@@ -97,7 +97,7 @@ if ! have_tools; then
     fi
 fi
 VK_HEADER_VERSION=$(sed -n 's/^#define VK_HEADER_VERSION \([0-9]*\).*/\1/p' "$(vk_header)")
-GLSLC_VERSION=$(glslc --version 2>/dev/null | head -1)
+GLSLC_VERSION=$(glslc --version 2>/dev/null | sed -n 1p)  # not head: with pipefail its early exit can fail glslc (SIGPIPE)
 
 # --------------------------------------------------------------------------- key
 KEY=$( {
