@@ -177,3 +177,34 @@ class ServerProcess:
             self.proc.wait(timeout=15)
         self._reader.join(timeout=15)
         self.proc.stdout.close()
+
+
+# ---- greedy decoding through our Llama, for comparing two runs step by step --------------
+
+def greedy_with_logits(llm, prompt: str, n: int):
+    """Greedy tokens after `prompt` and the logits (float64) each was chosen from."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(llm.tokenize(prompt.encode()))
+    out, logits = [], []
+    for _ in range(n):
+        row = np.array(llm._last_logits_view(), dtype=np.float64)
+        logits.append(row)
+        out.append(int(np.argmax(row)))
+        llm.eval([out[-1]])
+    return out, np.array(logits)
+
+
+def logits_along(llm, prompt: str, tokens):
+    """The logits before each of `tokens` after `prompt`, feeding `tokens` (teacher forcing):
+    comparable step by step with another run's greedy_with_logits() even where choices differ."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(llm.tokenize(prompt.encode()))
+    rows = []
+    for t in tokens:
+        rows.append(np.array(llm._last_logits_view(), dtype=np.float64))
+        llm.eval([t])
+    return np.array(rows)

@@ -22,6 +22,8 @@ from powerinfer_py import Llama, ParallelLlama
 from powerinfer_py._core.devices import gpu_count
 from powerinfer_py.assets.synthetic import PRESETS, generate
 
+from conftest import greedy_with_logits, logits_along
+
 pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="ggml lists no GPU (load a backend: docs/hybrid.md#vulkan)")
 
 PROMPT = "The capital of France is"
@@ -35,27 +37,7 @@ def _load(path, **kw):
 
 
 def _greedy(llm, prompt, n=N_GEN):
-    llm.reset()
-    llm.eval(llm.tokenize(prompt.encode()))
-    out, logits = [], []
-    for _ in range(n):
-        row = np.array(llm._last_logits_view(), dtype=np.float64)
-        logits.append(row)
-        out.append(int(np.argmax(row)))
-        llm.eval([out[-1]])
-    return out, np.array(logits)
-
-
-def _logits_along(llm, prompt, tokens):
-    """The logits before each of `tokens` (teacher forcing): comparable step by step with
-    the reference even where a near-tie makes the greedy choices differ."""
-    llm.reset()
-    llm.eval(llm.tokenize(prompt.encode()))
-    rows = []
-    for t in tokens:
-        rows.append(np.array(llm._last_logits_view(), dtype=np.float64))
-        llm.eval([t])
-    return np.array(rows)
+    return greedy_with_logits(llm, prompt, n)
 
 
 def _check_device(p):
@@ -80,7 +62,7 @@ def test_a_dense_model_split_by_layers(smollm2_path):
         ref_tokens, ref_logits = _greedy(ref, PROMPT)
     with _load(smollm2_path, vram_budget=None, n_gpu_layers=-1) as llm:
         p = llm.placement()
-        logits = _logits_along(llm, PROMPT, ref_tokens)
+        logits = logits_along(llm, PROMPT, ref_tokens)
         tokens, _ = _greedy(llm, PROMPT)
     _check_device(p)
     assert p["layer_split"] and p["n_layers_attn"] == 30, p

@@ -18,6 +18,8 @@ from powerinfer_py import Llama
 from powerinfer_py._core.bindings import ffi, lib
 from powerinfer_py.assets.synthetic import PRESETS, generate
 
+from conftest import greedy_with_logits, logits_along
+
 PROMPT = "the cat sat on the mat and"
 N_GEN = 16
 
@@ -37,29 +39,11 @@ def _load(path, mode="predictor", budget=0.0, emulate=False, **kw):
 
 def _greedy(llm):
     """Greedy tokens after PROMPT and the logits of every step."""
-    llm.reset()
-    tokens = llm.tokenize(PROMPT.encode())
-    out, logits = [], []
-    llm.eval(tokens)
-    for _ in range(N_GEN):
-        row = np.array(llm._last_logits_view(), dtype=np.float64)
-        logits.append(row)
-        t = int(np.argmax(row))
-        out.append(t)
-        llm.eval([t])
-    return out, np.array(logits)
+    return greedy_with_logits(llm, PROMPT, N_GEN)
 
 
 def _logits_along(llm, tokens):
-    """The logits before each of `tokens` after PROMPT, feeding `tokens` (teacher forcing):
-    comparable step by step with another engine's _greedy() even where choices differ."""
-    llm.reset()
-    llm.eval(llm.tokenize(PROMPT.encode()))
-    logits = []
-    for t in tokens:
-        logits.append(np.array(llm._last_logits_view(), dtype=np.float64))
-        llm.eval([t])
-    return np.array(logits)
+    return logits_along(llm, PROMPT, tokens)
 
 
 def _fixed_and_ffn(path, mode):

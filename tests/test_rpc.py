@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import socket
 import subprocess
@@ -26,7 +25,7 @@ import pytest
 from powerinfer_py import Llama, ParallelLlama, PowerInferError
 from powerinfer_py.assets.synthetic import PRESETS, generate
 
-from conftest import REPO_DIR, ServerProcess, free_port
+from conftest import REPO_DIR, ServerProcess, free_port, greedy_with_logits
 
 PROMPT = "The capital of France is"
 N_GEN = 16
@@ -75,16 +74,7 @@ def _servers(ws: List[Worker]) -> str:
 
 
 def _greedy(llm, prompt=PROMPT, n=N_GEN):
-    """Greedy tokens after `prompt` and each step's logits."""
-    llm.reset()
-    llm.eval(llm.tokenize(prompt.encode()))
-    out, logits = [], []
-    for _ in range(n):
-        row = np.array(llm._last_logits_view(), dtype=np.float64)
-        logits.append(row)
-        out.append(int(np.argmax(row)))
-        llm.eval([out[-1]])
-    return out, np.array(logits)
+    return greedy_with_logits(llm, prompt, n)
 
 
 @pytest.fixture(scope="module")

@@ -633,7 +633,6 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
             goto done;
         }
         pi_log(POWERINFER_LOG_INFO, "%s: the compute buffers outgrew their reserve; solving again\n", tag);
-        for (int32_t i = 0; i < n_items; ++i) items[i].dev = PI_PLAN_HOST;
     }
 
     // 7: FFN neurons (a layer split's whole FFNs; the hybrid's hottest ones).
