@@ -298,6 +298,13 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     ctx->sparse         = calloc((size_t) model->hp.n_layer, sizeof(*ctx->sparse));
     ctx->ubatch_buf     = malloc((size_t) 4 * params.n_batch * sizeof(int32_t));
     bool hist_ok = true;
+    // POWERINFER_DOWN_PATH=axpy|matmul fixes the dense down path (measurements); unset: by the share.
+    const char * down_env = getenv("POWERINFER_DOWN_PATH");
+    ctx->down.forced = down_env && strcmp(down_env, "axpy") == 0 ? 1 : down_env && strcmp(down_env, "matmul") == 0 ? 2 : 0;
+    for (int32_t il = 0; il < PI_MAX_LAYERS; ++il) {
+        ctx->down.share[il] = -1.0f;  // not measured: the AXPY until a step says otherwise
+        ctx->down.matmul[il] = ctx->down.forced == 2;
+    }
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
         if (params.collect_activations) {
@@ -565,6 +572,40 @@ static int32_t set_mask(struct powerinfer_context * ctx, struct ggml_tensor * ma
     return POWERINFER_OK;
 }
 
+// A token's dense down projection (graph.c build_down) through the matmul over the batch
+// copy once a layer's nonzero activations reach PI_DOWN_MATMUL_ABOVE of its neurons, back
+// to the AXPY below PI_DOWN_AXPY_BELOW (the gap keeps a layer near the crossover from
+// rebuilding the graph every step). Measured on a 7B-shaped file whose neurons nearly all
+// fire, and why these values: docs/sparse-engine.md.
+#define PI_DOWN_MATMUL_ABOVE 0.50f
+#define PI_DOWN_AXPY_BELOW   0.40f
+#define PI_DOWN_SMOOTHING    0.25f  // weight of the newest step in the moving share
+
+static void choose_down_paths(struct powerinfer_context * ctx) {
+    if (ctx->down.forced) {
+        return;
+    }
+    for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
+        const struct pi_active_stat * st = &ctx->sparse[il];
+        if (st->nz_total < ctx->down.seen_total[il] || st->nz_active < ctx->down.seen_active[il]) {
+            ctx->down.seen_total[il] = st->nz_total;  // the counters were reset
+            ctx->down.seen_active[il] = st->nz_active;
+            continue;
+        }
+        const int64_t total = st->nz_total - ctx->down.seen_total[il];
+        if (total <= 0) {
+            continue;  // this step's layer took another path (sparse, hybrid, a matmul file)
+        }
+        const float step = (float) (st->nz_active - ctx->down.seen_active[il]) / (float) total;
+        ctx->down.seen_total[il] = st->nz_total;
+        ctx->down.seen_active[il] = st->nz_active;
+        float * share = &ctx->down.share[il];
+        *share = *share < 0.0f ? step : (1.0f - PI_DOWN_SMOOTHING) * *share + PI_DOWN_SMOOTHING * step;
+        if (*share >= PI_DOWN_MATMUL_ABOVE) ctx->down.matmul[il] = 1;
+        else if (*share < PI_DOWN_AXPY_BELOW) ctx->down.matmul[il] = 0;
+    }
+}
+
 // Builds (or reuses) the graph of one chunk whose tokens already hold their cells, sets
 // its inputs and computes it; writes ub->n_outputs rows of logits to out (and of hidden
 // states to out_embd), when given.
@@ -580,7 +621,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .capture    = ctx->capture.enabled,
+        .down_matmul = ctx->down.matmul,
     };
+    const size_t n_layer_bytes = (size_t) ctx->model->hp.n_layer;
     for (int32_t i = 0; i < n_tokens; ++i) {
         gp.first_token |= ub->pos[i] == 0;
     }
@@ -591,7 +634,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     // RPC worker is sent "compute the graph again" instead of the whole graph each step.
     struct ggml_cgraph * gf;
     if (ctx->last.valid && ctx->last.n_tokens == n_tokens && ctx->last.n_kv == gp.n_kv && ctx->last.n_outputs == n_outputs &&
-        ctx->last.first_token == gp.first_token) {
+        ctx->last.first_token == gp.first_token && memcmp(ctx->last.down_matmul, ctx->down.matmul, n_layer_bytes) == 0) {
         gf = ctx->last.gf;
         in = ctx->last.in;
     } else {
@@ -599,24 +642,50 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         if (ctx->sched) {
             ggml_backend_sched_reset(ctx->sched);
         }
-        gf = build_chunk(ctx, &gp, &in);
-        if (!gf) {
-            return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
-        }
+        // A new graph is reserved before it is allocated: ggml's allocator decides whether its
+        // previous assignment still fits by the node and leaf counts and the nodes alone, and
+        // then assigns leaves by their index, so a graph with the same counts whose leaves come
+        // in another order (one layer's down projection switching between the AXPY and the
+        // matmul) would take other leaves' assignments and leave an input unallocated (a
+        // segfault in ggml_gallocr_init_tensor). Graphs are rebuilt only when their shapes
+        // change (n_kv moves in steps of PI_KV_PAD), so the extra walk costs nothing measurable.
         if (ctx->sched) {
-            // Placement: the scheduler splits the graph between the devices and the CPU.
-            pin_custom_ops(ctx, gf);
-            if (!ggml_backend_sched_alloc_graph(ctx->sched, gf)) {
+            // Placement: the scheduler splits the graph between the devices and the CPU. It
+            // rewrites a graph's sources to its copies of cross-device inputs when it splits it,
+            // so a graph is split once: the reserve gets a build of its own (the graph buffer is
+            // reused by the second build).
+            struct ggml_cgraph * rg = build_chunk(ctx, &gp, &in);
+            if (!rg) {
+                return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+            }
+            pin_custom_ops(ctx, rg);
+            bool ok = ggml_backend_sched_reserve(ctx->sched, rg);  // ends with a reset of the scheduler
+            gf = ok ? build_chunk(ctx, &gp, &in) : NULL;
+            if (ok && !gf) {
+                return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+            }
+            if (ok) {
+                pin_custom_ops(ctx, gf);
+                ok = ggml_backend_sched_alloc_graph(ctx->sched, gf);
+            }
+            if (!ok) {
                 return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
             }
-        } else if (!ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
-            return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+        } else {
+            gf = build_chunk(ctx, &gp, &in);
+            if (!gf) {
+                return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the compute graph");
+            }
+            if (!ggml_gallocr_reserve(ctx->galloc, gf) || !ggml_gallocr_alloc_graph(ctx->galloc, gf)) {
+                return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot allocate the compute graph");
+            }
         }
         ctx->last.valid     = true;
         ctx->last.n_tokens  = n_tokens;
         ctx->last.n_kv      = gp.n_kv;
         ctx->last.n_outputs = n_outputs;
         ctx->last.first_token = gp.first_token;
+        memcpy(ctx->last.down_matmul, ctx->down.matmul, n_layer_bytes);
         ctx->last.gf        = gf;
         ctx->last.in        = in;
     }
@@ -682,6 +751,9 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     }
     if (ctx->sched && (rc = pi_placement_check(ctx->model)) != POWERINFER_OK) {
         return rc;  // an RPC worker went away: what came back is zeros
+    }
+    if (n_tokens == 1) {
+        choose_down_paths(ctx);
     }
     return POWERINFER_OK;
 }
@@ -974,6 +1046,14 @@ int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, i
     *log10_min = PI_HIST_LOG10_MIN;
     *log10_max = PI_HIST_LOG10_MAX;
     return PI_HIST_BINS;
+}
+
+int32_t powerinfer_down_path(const struct powerinfer_context * ctx, int32_t il, float * share) {
+    if (il < 0 || il >= ctx->model->hp.n_layer) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d is out of range", il);
+    }
+    if (share) *share = ctx->down.share[il];
+    return ctx->down.matmul[il];
 }
 
 int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il, int64_t * n_active, int64_t * n_total) {

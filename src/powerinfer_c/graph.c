@@ -69,16 +69,23 @@ static struct ggml_tensor * packed_or_mul(struct ggml_context * ctx, const struc
 }
 
 // Down projection of h [n_ff, n_tokens]: a matmul through ffn_down, or through its batch
-// copy (repack.c) for files that store only ffn_down_t; else, and for single tokens of
-// ReLU-family models (most of h is zero), an AXPY over the rows of ffn_down_t with a
-// nonzero activation.
-static struct ggml_tensor * build_down(struct ggml_context * ctx, const struct powerinfer_model * model,
+// copy (repack.c) for files that store only ffn_down_t; else, for single tokens of
+// ReLU-family models, an AXPY over the rows of ffn_down_t with a nonzero activation. The
+// AXPY wins while most of h is zero and loses when it is not (a dense-mode step reads
+// every row either way, the AXPY slower per row), so each layer takes the path its
+// measured nonzero share calls for (gp->down_matmul, context.c); under the matmul the
+// share is still counted (the nonzero list is built and nothing reads it).
+static struct ggml_tensor * build_down(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
                                        const struct pi_layer * l, enum pi_ffn_act act, struct ggml_tensor * h,
-                                       struct pi_active_stat * stat) {
+                                       struct pi_active_stat * stat, bool matmul) {
     if (l->ffn_down) {
         return packed_or_mul(ctx, model, l->ffn_down, l->ffn_down_p, h);
     }
-    if (l->ffn_down_b && (h->ne[1] > 1 || !pi_act_is_relu(act))) {
+    const bool axpy_wanted = h->ne[1] == 1 && pi_act_is_relu(act);
+    if (l->ffn_down_b && (!axpy_wanted || matmul)) {
+        if (axpy_wanted) {
+            ggml_build_forward_expand(gf, pi_active_index(ctx, h, PI_ACTIVE_NONZERO, stat));
+        }
         return l->ffn_down_b_packed ? pi_packed_matmul(ctx, l->ffn_down_b, h) : ggml_mul_mat(ctx, l->ffn_down_b, h);
     }
     return pi_sparse_axpy(ctx, l->ffn_down_t, h, pi_active_index(ctx, h, PI_ACTIVE_NONZERO, stat));
@@ -154,6 +161,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, PI_ACTIVE_AT_LEAST, stat));
     }
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
+    const bool down_mm = gp->down_matmul && gp->down_matmul[il];
     struct ggml_tensor * up   = l->ffn_up_b ? ggml_mul_mat(ctx, l->ffn_up_b, x) : packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
     struct ggml_tensor * gate = !l->ffn_gate ? NULL : l->ffn_gate_b ? ggml_mul_mat(ctx, l->ffn_gate_b, x)
                                                                      : packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x);
@@ -164,15 +172,15 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         ggml_set_output(a);
         in->cap_x[il]   = x_res;
         in->cap_act[il] = a;
-        return build_down(ctx, model, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat);
+        return build_down(ctx, gf, model, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat, down_mm);
     }
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
         ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
-        return build_down(ctx, model, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat);
+        return build_down(ctx, gf, model, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat, down_mm);
     }
-    return build_down(ctx, model, l, act, build_glu(ctx, act, gate, up), stat);
+    return build_down(ctx, gf, model, l, act, build_glu(ctx, act, gate, up), stat, down_mm);
 }
 
 // Hybrid FFN (placement.c, offload.c): the device computes its compact hot rows densely through down,

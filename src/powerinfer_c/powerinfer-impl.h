@@ -397,6 +397,7 @@ struct pi_graph_params {
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
     bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
     bool    first_token; // the chunk holds a sequence's position 0: every FFN neuron (see build_ffn)
+    const uint8_t * down_matmul;  // [n_layer] or NULL: single-token dense down through the matmul (build_down)
 };
 
 // Attention of q [d, n_head, n_tokens] over the f16 caches kc, vc [d * n_head_kv, size]:
@@ -454,9 +455,20 @@ struct powerinfer_context {
         bool                   valid;
         int32_t                n_tokens, n_kv, n_outputs;
         bool                   first_token;
+        uint8_t                down_matmul[PI_MAX_LAYERS];
         struct ggml_cgraph *   gf;
         struct pi_graph_inputs in;
     } last;
+
+    // The dense down projection of a single token on a file with ffn_down_t (a PowerInfer
+    // file) and its batch copy: the AXPY over the nonzero rows of h, or the matmul over the
+    // copy, per layer, by the measured share of nonzero activations (graph.c build_down).
+    struct {
+        float    share[PI_MAX_LAYERS];      // moving average of the nonzero share; < 0: not measured
+        int64_t  seen_active[PI_MAX_LAYERS], seen_total[PI_MAX_LAYERS];  // the counters already averaged
+        uint8_t  matmul[PI_MAX_LAYERS];     // the choice for the next single-token graph
+        int8_t   forced;                    // POWERINFER_DOWN_PATH: 0 by the share, 1 the AXPY, 2 the matmul
+    } down;
 };
 
 // Makes room for `rows` rows of logits (and embeddings, when enabled).

@@ -50,6 +50,9 @@ static inline void active_index(struct ggml_tensor * dst, int ith, struct pi_act
     if (rule != PI_ACTIVE_NONZERO) {  // that rule is the dense FFN's exact AXPY: not a sparse step
         stat->n_active += n + n_skipped;
         stat->n_total  += n_ff;
+    } else if (n_tok == 1) {          // counted apart: it chooses a token's dense down path (graph.c)
+        stat->nz_active += n;
+        stat->nz_total  += n_ff;
     }
 }
 

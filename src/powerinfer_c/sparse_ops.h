@@ -30,6 +30,8 @@ struct pi_active_stat {
     int64_t    n_total;   // neurons considered, summed over runs
     uint64_t * hist;      // PI_HIST_BINS counts of |act(gate)|, when collecting (else NULL)
     const uint8_t * skip; // [n_ff] neurons computed elsewhere (hybrid placement: on the device), or NULL
+    int64_t    nz_active; // PI_ACTIVE_NONZERO lists (a dense FFN's down projection): nonzero activations,
+    int64_t    nz_total;  // and activations considered, summed over runs
 };
 
 // Adds |x| of every element of x (F32) to stat->hist. Returns a tensor to expand into

@@ -425,6 +425,12 @@ POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, co
 // (n_total: neurons considered). Steps through ggml's dense matmul are not counted.
 POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il,
                                                int64_t * n_active, int64_t * n_total);
+// The path a single token's dense down projection takes in layer il on a file that stores
+// it transposed (ffn_down_t, PowerInfer's files): 0 the AXPY over the rows of nonzero
+// activations, 1 the matmul over the batch copy (chosen by the measured nonzero share, or
+// by POWERINFER_DOWN_PATH=axpy|matmul); *share: that share's moving average, -1 before it
+// is measured. Returns -1 with an error for a layer out of range.
+POWERINFER_API int32_t powerinfer_down_path(const struct powerinfer_context * ctx, int32_t il, float * share);
 POWERINFER_API struct powerinfer_timings powerinfer_get_timings(const struct powerinfer_context * ctx);
 POWERINFER_API void powerinfer_reset_timings(struct powerinfer_context * ctx); // also resets the sparse stats
 
