@@ -348,10 +348,11 @@ def test_bench_hybrid_prints_table(tmp_path, capsys):
     paths = generate(PRESETS["small"], tmp_path, progress=False)
     out = tmp_path / "bench.json"
     rc = bench_hybrid.main(["--dense", paths["dense"], "--powerinfer", paths["powerinfer"], "--n-gen", "4",
-                            "--budgets", "0.5,0.75,1.0", "--json", str(out)])
+                            "--budgets", "0.5,0.75,1.0", "--n-prompt", "48", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "| budget |" in text and text.count("x |") == 3
+    # Each row: the decode and the prompt speedup.
+    assert "| budget |" in text and text.count("x |") == 6
     import json
 
     rows = json.loads(out.read_text())["rows"]
@@ -359,6 +360,7 @@ def test_bench_hybrid_prints_table(tmp_path, capsys):
     for r in rows:
         pl = r["powerinfer"]["placement"]
         assert pl["bytes_total"] <= pl["budget"] == r["budget"]
+        assert r["powerinfer"]["prompt_tok_s"] > 0 and r["llama_cpp"]["prompt_tok_s"] > 0
     assert rows[-1]["powerinfer"]["placement"]["n_hot"] > 0  # the whole model's size leaves room for rows
 
 

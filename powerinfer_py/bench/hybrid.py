@@ -1,8 +1,9 @@
-"""Hybrid placement benchmark: decode speed with budgets of 25%, 50% and 75% of the
+"""Hybrid placement benchmark: decode and prompt speed with budgets of 25%, 50% and 75% of the
 model's size on the device, against llama-cpp-python given the same memory through
 n_gpu_layers, same machine, same run, same threads:
 
     python -m powerinfer_py.bench hybrid [--dense PATH --powerinfer PATH] [--threads N] [--n-gen 128]
+                                         [--n-prompt 256]
 
 Defaults to the 7B-shaped synthetic pair (python -m powerinfer_py.assets.synthetic --preset 7b).
 Without a GPU backend in the installed ggml the "device" is emulated in host memory
@@ -79,6 +80,22 @@ def _decode(eval_fn, logits_fn, prompt_tokens, n_gen: int) -> float:
     return n_gen / (time.perf_counter() - t)
 
 
+def _prompt(eval_fn, reset_fn, tokens) -> float:
+    """Prompt tok/s: the tokens through a fresh sequence, in the context's n_batch batches."""
+    reset_fn()
+    t = time.perf_counter()
+    eval_fn(tokens)
+    return len(tokens) / (time.perf_counter() - t)
+
+
+def _prompt_tokens(tokenize, n: int) -> List[int]:
+    """n tokens of the benchmark's text, repeated (the first is BOS)."""
+    toks, more = tokenize(PROMPT), tokenize(b" " + PROMPT, add_bos=False)
+    while len(toks) < n:
+        toks = toks + more
+    return toks[:n]
+
+
 def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     """One run, in its own process (each engine is imported here, so the other's library
     does not count in this process's peak RSS)."""
@@ -89,6 +106,8 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
         llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=spec["threads"],
                               n_threads_batch=spec["threads"], n_gpu_layers=spec["n_gpu_layers"], verbose=False)
         out["decode_tok_s"] = _decode(llm.eval, lambda: llm._scores[-1], llm.tokenize(PROMPT), spec["n_gen"])
+        if spec.get("n_prompt"):
+            out["prompt_tok_s"] = _prompt(llm.eval, llm.reset, _prompt_tokens(llm.tokenize, spec["n_prompt"]))
     else:
         from ..llama import Llama
 
@@ -98,6 +117,8 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
                     activation_dir=spec.get("activation_dir"), verbose=False)
         out["placement"] = llm.placement()
         out["decode_tok_s"] = _decode(llm.eval, llm._last_logits_view, llm.tokenize(PROMPT), spec["n_gen"])
+        if spec.get("n_prompt"):
+            out["prompt_tok_s"] = _prompt(llm.eval, llm.reset, _prompt_tokens(llm.tokenize, spec["n_prompt"]))
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return out
 
@@ -144,7 +165,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--emulate", choices=("auto", "yes", "no"), default="auto",
                    help="emulate the device in host memory (auto: when ggml has no GPU backend)")
     p.add_argument("--profile-tokens", type=int, default=64)
+    p.add_argument("--n-prompt", type=int, default=256,
+                   help=f"prompt tokens for the prompt tok/s column, in batches of {N_BATCH} (0: no prompt column)")
     args = p.parse_args(argv)
+    if not 0 <= args.n_prompt <= N_CTX:
+        print(f"error: --n-prompt must be in [0, {N_CTX}], not {args.n_prompt}", file=sys.stderr)
+        return 1
     missing = missing_pair([args.dense, args.powerinfer])
     if missing:
         print(missing, file=sys.stderr)
@@ -159,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: each budget fraction must be in (0, 1]", file=sys.stderr)
         return 1
     size = os.path.getsize(args.dense)
-    base = {"threads": args.threads, "n_gen": args.n_gen}
+    base = {"threads": args.threads, "n_gen": args.n_gen, "n_prompt": args.n_prompt}
     with tempfile.TemporaryDirectory() as tmp:
         act_dir = None
         if not _model_has_counts(args.powerinfer):
@@ -184,17 +210,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         pl = r["powerinfer"]["placement"]
         speed = r["powerinfer"]["decode_tok_s"] / r["llama_cpp"]["decode_tok_s"]
+        prompt = ["-"] * 3
+        if args.n_prompt:
+            pp, pp_ref = r["powerinfer"]["prompt_tok_s"], r["llama_cpp"]["prompt_tok_s"]
+            prompt = [f"{pp:.1f}", f"{pp_ref:.1f}", f"{pp / pp_ref:.2f}x"]
         table.append([f"{100 * r['fraction']:.0f}% ({r['budget'] / mib:.0f} MiB)",
                       f"{pl['bytes_total'] / mib:.0f} MiB ({pl['bytes_dense'] / mib:.0f} / {pl['bytes_kv'] / mib:.0f} / "
                       f"{pl['bytes_compute'] / mib:.0f} / {pl['bytes_ffn'] / mib:.0f})",
                       f"{100 * pl['n_hot'] / pl['n_neurons']:.1f}%", f"{r['powerinfer']['peak_rss_mib']:.0f} MiB",
                       f"{r['powerinfer']['decode_tok_s']:.2f}", str(r["n_gpu_layers"]),
-                      f"{r['llama_cpp']['decode_tok_s']:.2f}", f"{r['llama_cpp']['peak_rss_mib']:.0f} MiB", f"{speed:.2f}x"])
+                      f"{r['llama_cpp']['decode_tok_s']:.2f}", f"{r['llama_cpp']['peak_rss_mib']:.0f} MiB", f"{speed:.2f}x", *prompt])
     print()
     print_table(f"model: {args.dense} ({size / 2**30:.2f} GiB) + PowerInfer twin, predictor mode, threads {args.threads}, "
-                f"{args.n_gen} decoded tokens; {where}. llama-cpp-python CPU only: {cpu['decode_tok_s']:.2f} tok/s",
+                f"{args.n_gen} decoded tokens, prompt {args.n_prompt} tokens in batches of {N_BATCH}; {where}. "
+                f"llama-cpp-python CPU only: {cpu['decode_tok_s']:.2f} tok/s decode"
+                + (f", {cpu['prompt_tok_s']:.1f} prompt" if args.n_prompt else ""),
                 ("budget", "on device (dense / KV / compute / FFN rows)", "FFN neurons on device", "host RSS",
-                 "powerinfer tok/s", "llama-cpp-python -ngl", "llama-cpp-python tok/s", "host RSS (lcp)", "speedup"),
+                 "powerinfer tok/s", "llama-cpp-python -ngl", "llama-cpp-python tok/s", "host RSS (lcp)", "decode speedup",
+                 "powerinfer prompt tok/s", "lcp prompt tok/s", "prompt speedup"),
                 table)
     for r in rows:
         pl = r["powerinfer"]["placement"]
