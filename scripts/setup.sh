@@ -17,15 +17,21 @@
 #   POWERINFER_VULKAN=1       same as --vulkan
 #
 # Options:
-#   --vulkan   also build (or reuse) ggml's Vulkan backend as a loadable module, beside the
-#              unchanged CPU wheel: scripts/build_vulkan.sh, docs/hybrid.md#vulkan
+#   --vulkan            also build (or reuse) ggml's Vulkan backend as a loadable module,
+#                       beside the unchanged CPU wheel: scripts/build_vulkan.sh,
+#                       docs/hybrid.md#vulkan
+#   --llama-wheel-only  build (or reuse) the llama-cpp-python wheel for this CMAKE_ARGS and
+#                       POWERINFER_LLAMA_CFLAGS, print its path last, and stop: nothing is
+#                       installed into .venv (scripts/gpu_kit.sh packs a portable one)
 set -euo pipefail
 
 VULKAN=${POWERINFER_VULKAN:-0}
+WHEEL_ONLY=0
 for arg in "$@"; do
     case $arg in
         --vulkan) VULKAN=1 ;;
-        *) echo "error: unknown argument '$arg' (setup.sh [--vulkan])" >&2; exit 2 ;;
+        --llama-wheel-only) WHEEL_ONLY=1 ;;
+        *) echo "error: unknown argument '$arg' (setup.sh [--vulkan] [--llama-wheel-only])" >&2; exit 2 ;;
     esac
 done
 
@@ -167,6 +173,10 @@ fi
     "$LLAMA_CFLAGS" "$LLAMA_CFLAGS" "$LLAMA_CMAKE_ARGS" >"$WHEEL_DIR/flags.txt"
 if command -v flock >/dev/null; then
     flock -u 9
+fi
+if [ "$WHEEL_ONLY" = 1 ]; then
+    echo "$WHEEL"
+    exit 0
 fi
 
 phase "install llama-cpp-python into .venv"

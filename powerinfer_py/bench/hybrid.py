@@ -204,7 +204,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             ref = _run(dict(base, engine="llama-cpp-python", path=args.dense, n_gpu_layers=ngl))
             rows.append({"fraction": f, "budget": budget, "n_gpu_layers": ngl, "powerinfer": ours, "llama_cpp": ref})
     where = "device EMULATED in host memory (no GPU backend): speed shows the split's overhead" if emulate \
-        else f"device: {rows[0]['powerinfer']['placement']['device'] if rows else '?'}"
+        else "device: " + next((r["powerinfer"]["placement"]["device"] for r in rows
+                                 if r["powerinfer"]["placement"]["active"]), "none (nothing was placed)")
     mib = 2**20
     table = []
     for r in rows:
