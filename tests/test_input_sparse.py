@@ -1,0 +1,182 @@
+"""The input-sparse product (src/powerinfer_c/input_sparse.c) against numpy, through the
+build/bin/test-input-sparse driver (the operator is internal to the core).
+
+The column copy must hold the file's weights exactly: its rows equal ggml's own
+dequantization bit for bit. The product keeps x[j] when |x[j]| > tau, quantizes the kept
+entries to 8 bits per 32 columns (step d = amax / 127 over the kept entries of the 32,
+q8 = round(x / d)), and sums per unit of 16 or 32 columns
+    y = sum_u a_u * d_u * sum_{j in u, kept} q_j * q8_j  +  b_u * sum_{j in u, kept} x_j
+where w = a * q + b is the weight (the copy's a, b and q). Two references:
+  - that formula in float64 from the copy's a, b, q and numpy's own quantization of x:
+    only float32 rounding separates them, bounded by (units + 2) * eps * sum |terms|;
+  - the float64 product of the dequantized W with x over the kept entries: the input's
+    quantization adds at most d_u / 2 per kept entry, times |a_u * q_j| summed.
+Batch invariance (each token alone gives the batch's bits), thread-count invariance and
+the scalar kernels (bit-equal to the SIMD ones) are checked exactly.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "build" / "bin" / "test-input-sparse"
+PORTABLE = ROOT / "build" / "bin" / "test-input-sparse-portable"
+DRIVERS = [DRIVER] + ([PORTABLE] if PORTABLE.exists() else [])
+EPS32 = float(np.finfo(np.float32).eps)
+
+# ggml's type ids (ggml.h)
+TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
+UNIT = {"q6_K": 16}  # columns per (a, b); 32 for the others
+
+pytestmark = pytest.mark.skipif(not DRIVER.exists(), reason="build/bin/test-input-sparse not built (cmake --build build)")
+
+
+def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER):
+    """segs: [(type, W float32 [rows, n_in])]. Returns the driver's outputs."""
+    n_in = x.shape[1]
+    T = x.shape[0]
+    src = tmp_path / "in.bin"
+    dst = tmp_path / "out.bin"
+    with open(src, "wb") as f:
+        f.write(struct.pack("<3q", n_in, T, len(segs)))
+        for t, w in segs:
+            f.write(struct.pack("<2q", TYPE_IDS[t], w.shape[0]))
+        f.write(struct.pack("<f", tau))
+        for _, w in segs:
+            f.write(w.astype("<f4").tobytes())
+        f.write(x.astype("<f4").tobytes())
+    subprocess.run([str(driver), str(threads), str(src), str(dst)], check=True, timeout=120)
+    raw = dst.read_bytes()
+    (n_out,) = struct.unpack_from("<q", raw, 0)
+    off = 8
+    out = {}
+    for name, shape in [("deq", (n_out, n_in)), ("w", (n_out, n_in)), ("a", (n_out, n_in)), ("b", (n_out, n_in)),
+                        ("y", (T, n_out)), ("y_alone", (T, n_out)), ("y_scalar", (T, n_out))]:
+        n = shape[0] * shape[1]
+        out[name] = np.frombuffer(raw, "<f4", n, off).reshape(shape)
+        off += 4 * n
+    out["kept"], out["total"] = struct.unpack_from("<2q", raw, off)
+    return out
+
+
+def _roundf(v):
+    return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+
+
+def _quantize_kept(x, tau):
+    """The operator's kept mask and 8-bit inputs, in float32 like the C code."""
+    keep = ~(np.abs(x) <= tau)
+    T, n = x.shape
+    xk = np.where(keep, x, 0).astype(np.float32)
+    amax = np.abs(xk).reshape(T, n // 32, 32).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q8 = _roundf((xk.reshape(T, n // 32, 32) * inv[:, :, None]).astype(np.float32)).reshape(T, n)
+    q8 = np.where(keep, q8, 0)
+    return keep, d, q8
+
+
+def _check(out, x, tau, units):
+    deq, w, a, b = out["deq"], out["w"], out["a"], out["b"]
+    assert np.array_equal(w, deq), "the column copy does not hold ggml's weights exactly"
+    keep, d, q8 = _quantize_kept(x, tau)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    q = np.where(a != 0, np.round((w.astype(np.float64) - b64) / np.where(a != 0, a64, 1)), 0)
+    n_in = x.shape[1]
+    dcol = np.repeat(d, 32, axis=1).astype(np.float64)  # [T, n_in]
+    xk = np.where(keep, x, 0).astype(np.float64)
+    for t in range(x.shape[0]):
+        # the operator's arithmetic, in float64
+        terms_q = a64 * q * (q8[t] * dcol[t])[None, :]
+        terms_b = b64 * xk[t][None, :]
+        ref = terms_q.sum(axis=1) + terms_b.sum(axis=1)
+        mag = np.abs(terms_q).sum(axis=1) + np.abs(terms_b).sum(axis=1)
+        err = np.abs(out["y"][t] - ref)
+        bound = (n_in / units + 2) * 2 * EPS32 * mag + 1e-30
+        assert (err <= bound).all(), f"token {t}: max err {err.max()} vs bound at worst {(err - bound).max()}"
+        # against the plain product over the kept entries: the input's quantization
+        plain = (w.astype(np.float64) * xk[t][None, :]).sum(axis=1)
+        qerr = (np.abs(a64 * q) * (dcol[t] / 2 * keep[t])[None, :]).sum(axis=1)
+        assert (np.abs(out["y"][t] - plain) <= qerr + bound).all()
+    assert np.array_equal(out["y"], out["y_alone"]), "a token's result depends on the rest of its batch"
+    assert np.array_equal(out["y"], out["y_scalar"]), "the SIMD and scalar kernels differ"
+    assert out["kept"] == int(keep.sum()) and out["total"] == x.size
+
+
+def _weights(rng, rows, n_in):
+    w = rng.standard_normal((rows, n_in)).astype(np.float32)
+    w *= rng.uniform(0.2, 3.0, size=(rows, 1)).astype(np.float32)  # rows of different scales
+    return w
+
+
+def _inputs(rng, T, n_in):
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    x[:, rng.choice(n_in, n_in // 50, replace=False)] *= 20  # a few outsized channels, as in real models
+    return x
+
+
+@pytest.mark.parametrize("wtype", list(TYPE_IDS))
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+def test_each_type_exact_copy_and_product(tmp_path, wtype, driver):
+    rng = np.random.default_rng(TYPE_IDS[wtype])
+    n_in = 512
+    x = _inputs(rng, 3, n_in)
+    tau = float(np.quantile(np.abs(x), 0.4))
+    segs = [(wtype, _weights(rng, 208, n_in))]  # 208 rows: three whole tiles and a partial one
+    out = _run(tmp_path, segs, x, tau, driver=driver)
+    _check(out, x, tau, UNIT.get(wtype, 32))
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+def test_mixed_group_like_q_k_v(tmp_path, driver):
+    # q, k, v of Q4_K_M: Q4_K, Q4_K and Q6_K (16-column units: the whole group goes by 16).
+    rng = np.random.default_rng(7)
+    n_in = 768
+    x = _inputs(rng, 4, n_in)
+    tau = float(np.quantile(np.abs(x), 0.5))
+    segs = [("q4_K", _weights(rng, 256, n_in)), ("q4_K", _weights(rng, 64, n_in)), ("q6_K", _weights(rng, 80, n_in))]
+    out = _run(tmp_path, segs, x, tau, driver=driver)
+    _check(out, x, tau, 16)
+
+
+def test_thread_count_does_not_change_the_bits(tmp_path):
+    rng = np.random.default_rng(11)
+    n_in = 512
+    x = _inputs(rng, 2, n_in)
+    tau = float(np.quantile(np.abs(x), 0.3))
+    segs = [("q4_K", _weights(rng, 448, n_in)), ("q8_0", _weights(rng, 128, n_in))]
+    ys = [_run(tmp_path, segs, x, tau, threads=n)["y"] for n in (1, 2, 3, 5)]
+    for y in ys[1:]:
+        assert np.array_equal(ys[0], y)
+
+
+def test_extremes_of_the_threshold(tmp_path):
+    rng = np.random.default_rng(5)
+    n_in = 256
+    x = _inputs(rng, 2, n_in)
+    segs = [("q4_0", _weights(rng, 64, n_in))]
+    # tau = 0: every nonzero entry is kept (the dense product, up to the input's quantization)
+    x0 = x.copy()
+    x0[0, :40] = 0
+    out = _run(tmp_path, segs, x0, 0.0)
+    _check(out, x0, 0.0, 32)
+    assert out["kept"] == int((x0 != 0).sum())
+    # above every entry: nothing kept, the product is 0
+    out = _run(tmp_path, segs, x, float(np.abs(x).max()) * 2)
+    assert out["kept"] == 0 and not out["y"].any()
+
+
+def test_nan_reaches_its_token_only(tmp_path):
+    rng = np.random.default_rng(9)
+    n_in = 256
+    x = _inputs(rng, 3, n_in)
+    x[1, 17] = np.nan
+    out = _run(tmp_path, [("q8_0", _weights(rng, 64, n_in))], x, 0.5)
+    assert np.isnan(out["y"][1]).all()
+    assert np.isfinite(out["y"][0]).all() and np.isfinite(out["y"][2]).all()
