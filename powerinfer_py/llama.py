@@ -162,10 +162,14 @@ class Llama:
                 LLAMA_SPLIT_MODE_NONE) choose.
             sparse_mode: Which FFN neurons are computed: "auto" (the best the model and
                 build allow), "dense" (all), "gate" (those whose gate fires), "predictor"
-                (those a trained predictor selects). "gate" and "predictor" need a file that
-                has what they read (ffn_down_t; predictors), see docs/formats.md.
+                (those a trained predictor selects), "input" (every matrix reads only the
+                columns of its input's entries with |x| above the file's thresholds; files
+                made by `powerinfer sparsify`, docs/input-sparsity.md). "gate" and
+                "predictor" need a file that has what they read (ffn_down_t; predictors),
+                see docs/formats.md.
             sparse_threshold: Activation threshold of the sparse modes (gate: on |act(gate)|;
-                predictor: on the predictor's logit); None: the file's (or 0).
+                predictor: on the predictor's logit; input: on |x|, for every input); None:
+                the file's (or 0).
             activation_dir: PowerInfer's `activation/` folder (activation_{i}.pt per-neuron
                 counts, read without running pickle code) for the hybrid placement; None:
                 `<model folder>/activation` when it exists, else the model's own counts.
@@ -509,7 +513,7 @@ class Llama:
         return self._require_model().arch()
 
     def sparse_mode_in_use(self) -> str:
-        """The sparse mode the core runs ("dense", "gate" or "predictor"; "auto" resolved)."""
+        """The sparse mode the core runs ("dense", "gate", "predictor" or "input"; "auto" resolved)."""
         if self._model is None:
             return "dense"
         return self._model.sparse_mode()

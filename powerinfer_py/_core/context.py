@@ -201,6 +201,32 @@ class Context(Handle):
             raise core_error(f"sparse statistics of layer {layer}", rc)
         return int(active[0]), int(total[0])
 
+    def input_stats(self, layer: int, input: int) -> Tuple[int, int]:
+        """Input mode: (kept entries, entries considered) of input `input` of `layer`, per token,
+        summed over the sparse steps."""
+        kept, total = ffi.new("int64_t *"), ffi.new("int64_t *")
+        rc = lib.powerinfer_input_stats(self.ptr, layer, input, kept, total)
+        if rc != OK:
+            raise core_error(f"input statistics of layer {layer}, input {input}", rc)
+        return int(kept[0]), int(total[0])
+
+    def input_histograms(self) -> Tuple[np.ndarray, float, float]:
+        """Histograms of |x| of every matrix's input since the context was made (needs
+        collect_activations=True): (counts uint64 [n_layer, 4, n_bins], log10_min, log10_max),
+        inputs in the order of model.INPUTS."""
+        ptr = self.ptr
+        lo, hi = ffi.new("float *"), ffi.new("float *")
+        n_bins = lib.powerinfer_input_histogram(ptr, 0, 0, ffi.NULL, 0, lo, hi)
+        n_layer = self.model.n_layer()
+        counts = np.zeros((n_layer, 4, max(n_bins, 0)), dtype=np.uint64)
+        buf = ffi.new("uint64_t[]", max(n_bins, 1))
+        for il in range(n_layer):
+            for i in range(4):
+                if lib.powerinfer_input_histogram(ptr, il, i, buf, n_bins, lo, hi) != n_bins:
+                    raise core_error(f"input histogram of layer {il}, input {i}")
+                counts[il, i] = np.frombuffer(ffi.buffer(buf, 8 * n_bins), dtype=np.uint64)
+        return counts, float(lo[0]), float(hi[0])
+
     def activation_histograms(self) -> Tuple[np.ndarray, float, float]:
         """Per-layer histograms of |act(gate)| since the context was made (needs
         collect_activations=True): (counts uint64 [n_layer, n_bins], log10_min, log10_max)."""

@@ -29,7 +29,11 @@ SPARSE_MODES: Dict[str, int] = {
     "dense": lib.POWERINFER_SPARSE_DENSE,
     "gate": lib.POWERINFER_SPARSE_GATE,
     "predictor": lib.POWERINFER_SPARSE_PREDICTOR,
+    "input": lib.POWERINFER_SPARSE_INPUT,
 }
+
+# enum powerinfer_input: the inputs of input mode, per layer, in the core's order
+INPUTS = ("qkv", "o", "ffn", "down")
 
 # enum powerinfer_split_mode by name
 SPLIT_MODES: Dict[str, int] = {
@@ -148,7 +152,7 @@ class Model(Handle):
         return int(lib.powerinfer_model_tensor_nbytes(self.ptr, name.encode()))
 
     def sparse_mode(self) -> str:
-        """The sparse mode the model runs in ("dense", "gate", "predictor"; auto resolved)."""
+        """The sparse mode the model runs in ("dense", "gate", "predictor", "input"; auto resolved)."""
         return string(lib.powerinfer_sparse_mode_name(lib.powerinfer_model_sparse_mode(self.ptr)))
 
     def n_packed(self) -> int:
@@ -163,6 +167,14 @@ class Model(Handle):
 
     def sparse_threshold(self, layer: int) -> float:
         return float(lib.powerinfer_model_sparse_threshold(self.ptr, layer))
+
+    def input_threshold(self, layer: int, input: int) -> float:
+        """Input mode: the threshold of input `input` (an index into INPUTS) of `layer`."""
+        return float(lib.powerinfer_model_input_threshold(self.ptr, layer, input))
+
+    def input_sparse(self, layer: int, input: int) -> bool:
+        """Input mode: whether that input's matrices read only their kept columns (else dense)."""
+        return bool(lib.powerinfer_model_input_sparse(self.ptr, layer, input))
 
     def ffn_activation(self) -> str:
         return string(lib.powerinfer_model_ffn_activation(self.ptr))

@@ -18,5 +18,6 @@ ENGINE_POWERINFER = "powerinfer"
 ENGINE_LLAMA_CPP = "llama-cpp-python"
 
 # Which neurons the FFN computes: every one ("dense"), those whose gate fires ("gate"),
-# those a trained predictor selects ("predictor"), or the best the file allows ("auto").
-SPARSE_MODES = ("auto", "dense", "gate", "predictor")
+# those a trained predictor selects ("predictor"), or the best the file allows ("auto");
+# "input": every matrix reads only the columns of its input's kept entries (powerinfer sparsify).
+SPARSE_MODES = ("auto", "dense", "gate", "predictor", "input")

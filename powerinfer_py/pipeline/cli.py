@@ -6,6 +6,7 @@
     powerinfer sample MODEL.gguf --out F.jsonl --n-tokens N   the model's own text (data-free distillation)
     powerinfer relufy MODEL.gguf --corpus FILE... --out OUT.gguf   SiLU -> sparse ReLU (needs torch)
     powerinfer calibrate MODEL.gguf --corpus FILE... --out OUT.gguf  SiLU gate thresholds (training-free)
+    powerinfer sparsify MODEL.gguf --sparsity S --out OUT.gguf   input sparsity on every matrix (training-free)
     powerinfer place MODEL --vram-budget GIB           hybrid placement -> MODEL.generated.gpuidx
     powerinfer eval MODEL --text FILE... [--reference ORIGINAL.gguf]   trust card (Markdown + JSON)
     powerinfer rpc-server [--host H] [--port P] [--mem MIB]   an RPC worker (docs/distributed.md)
@@ -34,6 +35,7 @@ COMMANDS = {
     "sample": ("powerinfer_py.pipeline.sample", "text sampled from a model for data-free distillation (prompts: generic topics)"),
     "relufy": ("powerinfer_py.pipeline.relufy", "replace SiLU by ReLU and fine-tune for sparsity (needs torch)"),
     "calibrate": ("powerinfer_py.pipeline.calibrate", "training-free gate thresholds for SiLU models (CATS-style)"),
+    "sparsify": ("powerinfer_py.pipeline.sparsify", "training-free input sparsity on every matrix of any GGUF (TEAL-style)"),
     "place": ("powerinfer_py.pipeline.place", "solve the hybrid GPU/CPU neuron placement, write <model>.generated.gpuidx"),
     "eval": ("powerinfer_py.pipeline.evaluate", "trust card: per-domain perplexity, KL and top-1 vs the original, sparsity, speed"),
     "rpc-server": ("powerinfer_py.pipeline.rpc_server", "serve this host's CPU to PowerInfer-Py and llama.cpp clients over ggml-rpc"),

@@ -45,7 +45,7 @@ from .._machine import best_alternating, cpu_model, timed
 from ..formats.gguf_io import open_gguf, tensor_f32
 from .common import PipelineError, Progress, files, run_cli, tokenize_texts, write_text
 
-MODES = ("dense", "gate", "predictor")
+MODES = ("dense", "gate", "predictor", "input")
 
 
 # ---- the text --------------------------------------------------------------------------------
@@ -466,7 +466,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("model")
     p.add_argument("--text", nargs="+", required=True, metavar="[NAME=]FILE", help="one file per domain")
     p.add_argument("--reference", help="the original model (GGUF), run by llama-cpp-python")
-    p.add_argument("--modes", help="comma-separated, from dense,gate,predictor (default: dense and the file's own)")
+    p.add_argument("--modes", help="comma-separated, from dense,gate,predictor,input (default: dense and the file's own)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-speed", action="store_true", help="skip the speed table")
     p.add_argument("--out", help="write OUT.md and OUT.json (default: only print the Markdown)")

@@ -80,6 +80,7 @@ static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx)
         .invariant_attn = invariant_attn(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
+        .inputs     = ctx->inputs,
     };
     struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
     ctx->last.valid = false;  // the graph memory now holds this one
@@ -305,6 +306,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         ctx->down.share[il] = -1.0f;  // not measured: the AXPY until a step says otherwise
         ctx->down.matmul[il] = ctx->down.forced == 2;
     }
+    ctx->inputs = calloc((size_t) model->hp.n_layer * POWERINFER_INPUT_COUNT, sizeof(*ctx->inputs));
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
         if (params.collect_activations) {
@@ -312,7 +314,14 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
             hist_ok &= ctx->sparse[il].hist != NULL;
         }
     }
-    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !ctx->ubatch_buf || !hist_ok) {
+    for (int32_t k = 0; ctx->inputs && k < model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+        ctx->inputs[k].threshold = model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT];
+        if (params.collect_activations) {  // |x| of every matrix's input (powerinfer sparsify)
+            ctx->inputs[k].hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
+            hist_ok &= ctx->inputs[k].hist != NULL;
+        }
+    }
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !ctx->inputs || !ctx->ubatch_buf || !hist_ok) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
@@ -358,7 +367,11 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     for (int32_t il = 0; ctx->sparse && il < ctx->model->hp.n_layer; ++il) {
         free(ctx->sparse[il].hist);
     }
+    for (int32_t k = 0; ctx->inputs && k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+        free(ctx->inputs[k].hist);
+    }
     free(ctx->sparse);
+    free(ctx->inputs);
     free(ctx->capture.x);
     free(ctx->capture.act);
     free(ctx->capture.tx);
@@ -620,6 +633,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .invariant_attn = invariant_attn(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
+        .inputs     = ctx->inputs,
         .capture    = ctx->capture.enabled,
         .down_matmul = ctx->down.matmul,
     };
@@ -1032,6 +1046,35 @@ void powerinfer_reset_timings(struct powerinfer_context * ctx) {
     for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
         ctx->sparse[il].n_active = ctx->sparse[il].n_total = 0;
     }
+    for (int32_t k = 0; k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+        ctx->inputs[k].n_active = ctx->inputs[k].n_total = 0;
+    }
+}
+
+int32_t powerinfer_input_stats(const struct powerinfer_context * ctx, int32_t il, int32_t input, int64_t * n_kept,
+                               int64_t * n_total) {
+    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d is out of range", il, input);
+    }
+    const struct pi_active_stat * st = &ctx->inputs[il * POWERINFER_INPUT_COUNT + input];
+    *n_kept  = st->n_active;
+    *n_total = st->n_total;
+    return POWERINFER_OK;
+}
+
+int32_t powerinfer_input_histogram(const struct powerinfer_context * ctx, int32_t il, int32_t input, uint64_t * counts,
+                                   int32_t n_bins, float * log10_min, float * log10_max) {
+    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT ||
+        !ctx->inputs[il * POWERINFER_INPUT_COUNT + input].hist) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "no input histogram for layer %d, input %d (collect_activations off?)", il, input);
+    }
+    if (n_bins != PI_HIST_BINS) {
+        return PI_HIST_BINS;
+    }
+    memcpy(counts, ctx->inputs[il * POWERINFER_INPUT_COUNT + input].hist, sizeof(uint64_t) * PI_HIST_BINS);
+    *log10_min = PI_HIST_LOG10_MIN;
+    *log10_max = PI_HIST_LOG10_MAX;
+    return PI_HIST_BINS;
 }
 
 int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, int32_t il, uint64_t * counts,
@@ -1059,6 +1102,14 @@ int32_t powerinfer_down_path(const struct powerinfer_context * ctx, int32_t il, 
 int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il, int64_t * n_active, int64_t * n_total) {
     if (il < 0 || il >= ctx->model->hp.n_layer) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d is out of range", il);
+    }
+    if (ctx->model->hp.sparse_mode == POWERINFER_SPARSE_INPUT) {  // kept entries of the layer's inputs
+        *n_active = *n_total = 0;
+        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
+            *n_active += ctx->inputs[il * POWERINFER_INPUT_COUNT + i].n_active;
+            *n_total  += ctx->inputs[il * POWERINFER_INPUT_COUNT + i].n_total;
+        }
+        return POWERINFER_OK;
     }
     *n_active = ctx->sparse[il].n_active;
     *n_total  = ctx->sparse[il].n_total;

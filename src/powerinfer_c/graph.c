@@ -57,6 +57,44 @@ static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act a
     return act == PI_ACT_DRELU ? ggml_relu(ctx, up) : up;
 }
 
+// ---- input mode ----------------------------------------------------------------------------
+
+// Whether this step reads the matrices by their kept input columns (input mode): batches up
+// to sparse_max_batch, never a sequence's first token (see build_ffn), never while profiling
+// or calibrating (those want every value).
+static bool input_step(const struct powerinfer_model * model, const struct pi_graph_params * gp) {
+    return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && gp->n_tokens <= gp->sparse_max_batch &&
+           gp->n_tokens <= PI_COLMAT_MAX_TOKENS && !gp->capture && !gp->first_token && gp->inputs && !gp->inputs[0].hist;
+}
+
+// The input-sparse product of input i of layer il when this step takes it and the input
+// has a column copy; NULL otherwise (the caller multiplies densely).
+static struct ggml_tensor * input_sparse(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                         const struct pi_graph_params * gp, int il, int i, struct ggml_tensor * x) {
+    const struct pi_colmat * cm = &model->layers[il].in_cm[i];
+    if (!input_step(model, gp) || cm->n_segs == 0) {
+        return NULL;
+    }
+    if (!ggml_is_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1) {
+        x = ggml_cont_2d(ctx, x, x->ne[0], ggml_nelements(x) / x->ne[0]);
+    }
+    return pi_input_sparse_matmul(ctx, cm, x, &gp->inputs[il * POWERINFER_INPUT_COUNT + i]);
+}
+
+// Calibration (collect_activations): adds |x| of input i of layer il to its histogram.
+static void input_histogram(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct pi_graph_params * gp, int il, int i,
+                            struct ggml_tensor * x) {
+    struct pi_active_stat * st = gp->inputs ? &gp->inputs[il * POWERINFER_INPUT_COUNT + i] : NULL;
+    if (st && st->hist && !gp->capture) {
+        ggml_build_forward_expand(gf, pi_activation_histogram(ctx, ggml_is_contiguous(x) ? x : ggml_cont(ctx, x), st));
+    }
+}
+
+// Rows [r0, r0 + n) of y [rows, T] as a contiguous [n, T].
+static struct ggml_tensor * rows_of(struct ggml_context * ctx, struct ggml_tensor * y, int64_t r0, int64_t n) {
+    return ggml_cont(ctx, ggml_view_2d(ctx, y, n, y->ne[1], y->nb[1], (size_t) r0 * ggml_element_size(y)));
+}
+
 // w . x through w's packed copy w_p (pack_dense, packed predictors) while w is the file's
 // tensor (placement may swap in a device copy, which then computes), else ggml's matmul.
 static struct ggml_tensor * packed_or_mul(struct ggml_context * ctx, const struct powerinfer_model * model, struct ggml_tensor * w,
@@ -94,6 +132,8 @@ static struct ggml_tensor * build_down(struct ggml_context * ctx, struct ggml_cg
 static struct ggml_tensor * build_ffn_hybrid(struct ggml_context * ctx, const struct powerinfer_model * model, int il,
                                             struct ggml_tensor * x, struct ggml_tensor * x_res, struct pi_active_stat * stat,
                                             bool sparse);
+static struct ggml_tensor * build_ffn_input(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                            const struct pi_graph_params * gp, int il, struct ggml_tensor * x);
 
 // logit = fc2 . relu(fc1 . x_res): the predictor's score of every neuron; [n_ff, T].
 static struct ggml_tensor * predictor_logits(struct ggml_context * ctx, const struct powerinfer_model * model,
@@ -149,6 +189,9 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
     if (model->offload.layers[il].n_hot > 0 && !stat->hist && !gp->capture) {
         return build_ffn_hybrid(ctx, model, il, x, x_res, stat, sparse);
     }
+    if (input_step(model, gp)) {
+        return build_ffn_input(ctx, model, gp, il, x);
+    }
 
     if (sparse && mode == POWERINFER_SPARSE_GATE) {
         // Dense gate; neuron i is active when |act(gate_i)| > tau (ReLU: act > tau).
@@ -160,6 +203,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         struct ggml_tensor * logit = predictor_logits(ctx, model, l, x_res);
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, PI_ACTIVE_AT_LEAST, stat));
     }
+    input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_FFN, x);
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
     const bool down_mm = gp->down_matmul && gp->down_matmul[il];
     struct ggml_tensor * up   = l->ffn_up_b ? ggml_mul_mat(ctx, l->ffn_up_b, x) : packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
@@ -174,13 +218,38 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         in->cap_act[il] = a;
         return build_down(ctx, gf, model, l, act, gate ? ggml_mul(ctx, a, up_term(ctx, act, up)) : a, stat, down_mm);
     }
+    struct ggml_tensor * h;
     if (stat->hist && gate) {
         // Calibration: record |act(gate)| (the gate-mode criterion), then act * up.
         struct ggml_tensor * a = build_act(ctx, act, gate);
         ggml_build_forward_expand(gf, pi_activation_histogram(ctx, a, stat));
-        return build_down(ctx, gf, model, l, act, ggml_mul(ctx, a, up_term(ctx, act, up)), stat, down_mm);
+        h = ggml_mul(ctx, a, up_term(ctx, act, up));
+    } else {
+        h = build_glu(ctx, act, gate, up);
     }
-    return build_down(ctx, gf, model, l, act, build_glu(ctx, act, gate, up), stat, down_mm);
+    input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_DOWN, h);
+    return build_down(ctx, gf, model, l, act, h, stat, down_mm);
+}
+
+// Input mode's FFN: gate and up (one product, their rows stacked) and down, each reading
+// the columns of its kept inputs; a matrix without a column copy runs dense.
+static struct ggml_tensor * build_ffn_input(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                            const struct pi_graph_params * gp, int il, struct ggml_tensor * x) {
+    const struct pi_layer * l = &model->layers[il];
+    const enum pi_ffn_act act = model->hp.ffn_act;
+    const int64_t n_ff = model->hp.n_ff;
+    struct ggml_tensor * gu = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_FFN, x);
+    struct ggml_tensor * gate, * up;
+    if (gu) {
+        gate = l->ffn_gate ? rows_of(ctx, gu, 0, n_ff) : NULL;
+        up   = l->ffn_gate ? rows_of(ctx, gu, n_ff, n_ff) : gu;
+    } else {
+        up   = packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
+        gate = l->ffn_gate ? packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x) : NULL;
+    }
+    struct ggml_tensor * h = build_glu(ctx, act, gate, up);
+    struct ggml_tensor * down = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_DOWN, h);
+    return down ? down : packed_or_mul(ctx, model, l->ffn_down, l->ffn_down_p, h);
 }
 
 // Hybrid FFN (placement.c, offload.c): the device computes its compact hot rows densely through down,
@@ -292,6 +361,15 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
     return cur;
 }
 
+// The attention's output projection: input-sparse in input mode, else dense.
+static struct ggml_tensor * build_wo(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
+                                     const struct pi_graph_params * gp, int il, struct ggml_tensor * attn) {
+    const struct pi_layer * l = &model->layers[il];
+    input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_O, attn);
+    struct ggml_tensor * o = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_O, attn);
+    return o ? o : packed_or_mul(ctx, model, l->wo, l->wo_p, attn);
+}
+
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
                                     const struct pi_kv_cache * kv, const struct pi_graph_params * gp,
                                     struct pi_graph_inputs * in) {
@@ -343,7 +421,9 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         struct ggml_tensor * cur = l->attn_norm_2 ? build_layer_norm(ctx, inpL, l->attn_norm_2, l->attn_norm_2_b, eps)
                                                   : attn_norm;
         const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
-        struct ggml_tensor * qkv = packed_or_mul(ctx, model, l->wqkv, l->wqkv_p, cur);
+        input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_QKV, cur);
+        struct ggml_tensor * qkv = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_QKV, cur);
+        qkv = qkv ? qkv : packed_or_mul(ctx, model, l->wqkv, l->wqkv_p, cur);
         const size_t es = ggml_element_size(qkv);
         struct ggml_tensor * q = ggml_view_3d(ctx, qkv, head, hp->n_head, n_tokens, es * head, qkv->nb[1], 0);
         struct ggml_tensor * k = ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1], es * n_q);
@@ -352,7 +432,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         q = build_rope(ctx, q, hp, in);
         k = build_rope(ctx, k, hp, in);
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = packed_or_mul(ctx, model, l->wo, l->wo_p, cur);
+        cur = build_wo(ctx, gf, model, gp, il, cur);
         if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
             cur       = ggml_get_rows(ctx, cur, in->out_ids);
             inpL      = ggml_get_rows(ctx, inpL, in->out_ids);
@@ -369,9 +449,12 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
 
         struct ggml_tensor * cur = build_norm(ctx, inpL, l->attn_norm, hp->norm_rms_eps);
 
-        struct ggml_tensor * q = packed_or_mul(ctx, model, l->wq, l->wq_p, cur);
-        struct ggml_tensor * k = packed_or_mul(ctx, model, l->wk, l->wk_p, cur);
-        struct ggml_tensor * v = packed_or_mul(ctx, model, l->wv, l->wv_p, cur);
+        input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_QKV, cur);
+        struct ggml_tensor * qkv = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_QKV, cur);
+        const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
+        struct ggml_tensor * q = qkv ? rows_of(ctx, qkv, 0, n_q) : packed_or_mul(ctx, model, l->wq, l->wq_p, cur);
+        struct ggml_tensor * k = qkv ? rows_of(ctx, qkv, n_q, n_kv) : packed_or_mul(ctx, model, l->wk, l->wk_p, cur);
+        struct ggml_tensor * v = qkv ? rows_of(ctx, qkv, n_q + n_kv, n_kv) : packed_or_mul(ctx, model, l->wv, l->wv_p, cur);
         if (l->bq) q = ggml_add(ctx, q, l->bq);
         if (l->bk) k = ggml_add(ctx, k, l->bk);
         if (l->bv) v = ggml_add(ctx, v, l->bv);
@@ -383,7 +466,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = build_rope(ctx, k, hp, in);
 
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = packed_or_mul(ctx, model, l->wo, l->wo_p, cur);
+        cur = build_wo(ctx, gf, model, gp, il, cur);
 
         if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
             // Only the output rows need the last FFN and the LM head.

@@ -248,8 +248,7 @@ static void fill_scales(const struct pi_colmat_seg * s, const void * src_row, in
     }
 }
 
-// Sets the segments' pointers into mem (the layout pi_colmat_plan sized).
-static void bind(struct pi_colmat * cm, void * mem) {
+void pi_colmat_bind(struct pi_colmat * cm, void * mem) {
     uint8_t * p = mem;
     cm->q = p;
     p += cm->col_stride * (size_t) cm->n_in;
@@ -263,15 +262,44 @@ static void bind(struct pi_colmat * cm, void * mem) {
     }
 }
 
-void pi_colmat_fill(struct pi_colmat * cm, struct ggml_tensor * const * w, void * mem, int ith, int nth) {
-    bind(cm, mem);
-    uint8_t q[TILE][QK];
+// One column's tile record from its 64 q in position order.
+static inline void pack_record(const uint8_t * v, int bits, uint8_t * rec) {
+    if (bits == 8) {
+        memcpy(rec, v, TILE);
+        return;
+    }
+#ifdef PI_CM_VNNI
+    const __m256i lo = _mm256_loadu_si256((const __m256i *) v), hi = _mm256_loadu_si256((const __m256i *) (v + 32));
+    const __m256i mk = _mm256_set1_epi8(0x0F);
+    _mm256_storeu_si256((__m256i *) rec, _mm256_or_si256(_mm256_and_si256(lo, mk),
+                                                         _mm256_slli_epi16(_mm256_and_si256(hi, mk), 4)));
+    const __m512i all = _mm512_loadu_si512(v);
+    for (int hb = 4; hb < bits; ++hb) {
+        const uint64_t m = _cvtmask64_u64(_mm512_test_epi8_mask(all, _mm512_set1_epi8((char) (1 << hb))));
+        memcpy(rec + 32 + 8 * (hb - 4), &m, 8);
+    }
+#else
+    for (int p = 0; p < 32; ++p) rec[p] = (uint8_t) ((v[p] & 0x0F) | ((v[p + 32] & 0x0F) << 4));
+    for (int hb = 4; hb < bits; ++hb) {
+        uint64_t m = 0;
+        for (int p = 0; p < TILE; ++p) m |= (uint64_t) ((v[p] >> hb) & 1) << p;
+        memcpy(rec + 32 + 8 * (hb - 4), &m, 8);
+    }
+#endif
+}
+
+void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth) {
+    uint8_t q[TILE][QK];        // 64 rows x 32 columns of one block, row order
+    uint8_t colq[QK][TILE];     // the same, a column's 64 q in position order
+    int row_of[TILE];
+    for (int p = 0; p < TILE; ++p) row_of[p] = tile_pos(p);  // the permutation is its own inverse
     for (int k = 0; k < cm->n_segs; ++k) {
-        struct pi_colmat_seg * s = &cm->seg[k];
+        const struct pi_colmat_seg * s = &cm->seg[k];
         const int64_t t0 = s->n_tiles * ith / nth, t1 = s->n_tiles * (ith + 1) / nth;
         for (int64_t ti = t0; ti < t1; ++ti) {
             const int64_t r0 = ti * TILE;
             const int nr = (int) (s->n_rows - r0 < TILE ? s->n_rows - r0 : TILE);  // padding rows stay 0
+            memset(q, 0, sizeof(q));
             for (int r = 0; r < nr; ++r) {
                 fill_scales(s, (const char *) w[k]->data + (size_t) (r0 + r) * w[k]->nb[1], cm->n_in, r0 + r,
                             (ggml_fp16_t *) s->d, (ggml_fp16_t *) s->m, (uint8_t *) s->sc, (uint8_t *) s->mins);
@@ -280,20 +308,13 @@ void pi_colmat_fill(struct pi_colmat * cm, struct ggml_tensor * const * w, void 
                 for (int r = 0; r < nr; ++r) {
                     decode_q32(s->type, (const char *) w[k]->data + (size_t) (r0 + r) * w[k]->nb[1], b, q[r]);
                 }
+                for (int p = 0; p < TILE; ++p) {
+                    const uint8_t * src = q[row_of[p]];
+                    for (int l = 0; l < QK; ++l) colq[l][p] = src[l];
+                }
                 for (int l = 0; l < QK; ++l) {
-                    uint8_t * rec = (uint8_t *) cm->q + (size_t) (b * QK + l) * cm->col_stride + s->col_off + (size_t) ti * s->rec;
-                    for (int r = 0; r < nr; ++r) {
-                        const int p = tile_pos(r);
-                        const uint8_t v = q[r][l];
-                        if (s->bits == 8) {
-                            rec[p] = v;
-                            continue;
-                        }
-                        rec[p % 32] |= (uint8_t) ((v & 0x0F) << (p < 32 ? 0 : 4));
-                        for (int hb = 4; hb < s->bits; ++hb) {
-                            rec[32 + 8 * (hb - 4) + p / 8] |= (uint8_t) (((v >> hb) & 1) << (p % 8));
-                        }
-                    }
+                    pack_record(colq[l], s->bits,
+                                (uint8_t *) cm->q + (size_t) (b * QK + l) * cm->col_stride + s->col_off + (size_t) ti * s->rec);
                 }
             }
         }
@@ -328,7 +349,7 @@ static inline void seg_ab(const struct pi_colmat_seg * s, int64_t row, int64_t j
             *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) s->sc[(size_t) (j / QK) * rows + row];
             *b = -(ggml_fp16_to_fp32(s->m[(size_t) (j / QK_K) * rows + row]) * (float) s->mins[(size_t) (j / QK) * rows + row]);
             break;
-        case PI_CM_6K:
+        default:  // PI_CM_6K
             *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) (int8_t) s->sc[(size_t) (j / 16) * rows + row];
             *b = -(float) s->offset * *a;
             break;
@@ -529,7 +550,7 @@ static inline void seg_ab16(const struct pi_colmat_seg * s, int64_t row, int64_t
             *b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, mn));
             break;
         }
-        case PI_CM_6K: {
+        default: {  // PI_CM_6K
             const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + row)));
             const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / 16) * rows + row))));
             *a = _mm512_mul_ps(d, sc);

@@ -68,10 +68,13 @@ bool pi_colmat_type_ok(enum ggml_type type);
 // the bytes it needs (0 when the matrices cannot have one).
 size_t pi_colmat_plan(struct pi_colmat * cm, struct ggml_tensor * const * w, int n);
 
-// Writes the copy into mem (pi_colmat_plan's bytes, 64-byte aligned and zero-filled, as a
-// fresh anonymous mapping is) from the matrices' data; tiles [ith * n / nth,
-// (ith + 1) * n / nth) of every segment, so threads can share the work.
-void pi_colmat_fill(struct pi_colmat * cm, struct ggml_tensor * const * w, void * mem, int ith, int nth);
+// Points the copy at mem: pi_colmat_plan's bytes, 64-byte aligned and zero-filled (as a
+// fresh anonymous mapping is).
+void pi_colmat_bind(struct pi_colmat * cm, void * mem);
+
+// Writes the bound copy from the matrices' data: tiles [ith * n / nth, (ith + 1) * n / nth)
+// of every segment, so threads can share the work.
+void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth);
 
 // Row r of the copy, for tests: w[j] = a[j] * q + b[j] for j in [0, n_in) (a, b may be NULL).
 void pi_colmat_row(const struct pi_colmat * cm, int64_t r, float * w, float * a, float * b);

@@ -360,6 +360,8 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
 #define PI_ENV_SPARSE_THRESHOLD "LLAMA_SPARSE_PRED_THRESHOLD"
 // Ours: per-layer predictor thresholds (written by train-predictor), over the global one.
 #define PI_KEY_SPARSE_THRESHOLDS "powerinfer.sparse_thresholds"
+// Ours: input mode's thresholds, f32 [n_layer * POWERINFER_INPUT_COUNT] (written by sparsify).
+#define PI_KEY_INPUT_THRESHOLDS "powerinfer.input_thresholds"
 
 const char * powerinfer_sparse_mode_name(int32_t mode) {
     switch (mode) {
@@ -367,6 +369,7 @@ const char * powerinfer_sparse_mode_name(int32_t mode) {
         case POWERINFER_SPARSE_DENSE:     return "dense";
         case POWERINFER_SPARSE_GATE:      return "gate";
         case POWERINFER_SPARSE_PREDICTOR: return "predictor";
+        case POWERINFER_SPARSE_INPUT:     return "input";
         default:                          return "unknown";
     }
 }
@@ -396,8 +399,42 @@ static int32_t read_layer_thresholds(struct powerinfer_model * model, const char
 // Predictor mode, lowest to highest precedence: powerinfer.sparse_threshold, our
 // per-layer powerinfer.sparse_thresholds, the environment variable, the parameter.
 // Gate mode: powerinfer.gate_thresholds, then the parameter.
+// Input mode: powerinfer.input_thresholds (finite, >= 0), then the parameter (every input).
+static int32_t resolve_input_thresholds(struct powerinfer_model * model) {
+    const struct pi_hparams * hp = &model->hp;
+    const int64_t id = find_key(model, PI_KEY_INPUT_THRESHOLDS);
+    const int64_t n = (int64_t) hp->n_layer * POWERINFER_INPUT_COUNT;
+    if (id >= 0) {
+        if (gguf_get_kv_type(model->gguf, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(model->gguf, id) != GGUF_TYPE_FLOAT32 ||
+            (int64_t) gguf_get_arr_n(model->gguf, id) != n) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "%s must be an array of %" PRId64 " float32 (%d per layer)",
+                           PI_KEY_INPUT_THRESHOLDS, n, POWERINFER_INPUT_COUNT);
+        }
+        const float * v = gguf_get_arr_data(model->gguf, id);
+        for (int64_t k = 0; k < n; ++k) {
+            if (!isfinite(v[k]) || v[k] < 0.0f) {
+                return pi_fail(POWERINFER_ERR_FORMAT, "%s[%" PRId64 "] = %g is not a valid threshold", PI_KEY_INPUT_THRESHOLDS, k, v[k]);
+            }
+            model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT] = v[k];
+        }
+    }
+    if (!isnan(model->params.sparse_threshold)) {
+        if (!(model->params.sparse_threshold >= 0.0f) || isinf(model->params.sparse_threshold)) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "input mode's threshold must be finite and >= 0, got %g",
+                           model->params.sparse_threshold);
+        }
+        for (int32_t il = 0; il < hp->n_layer; ++il) {
+            for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) model->layers[il].in_tau[i] = model->params.sparse_threshold;
+        }
+    }
+    return POWERINFER_OK;
+}
+
 static int32_t resolve_thresholds(struct powerinfer_model * model) {
     const struct pi_hparams * hp = &model->hp;
+    if (hp->sparse_mode == POWERINFER_SPARSE_INPUT) {
+        return resolve_input_thresholds(model);
+    }
     float tau = 0.0f;
     int32_t rc;
     const bool pred = hp->sparse_mode == POWERINFER_SPARSE_PREDICTOR;
@@ -438,11 +475,24 @@ static int32_t resolve_sparse_mode(struct powerinfer_model * model) {
     const int32_t want = model->params.sparse_mode;
     const bool gate_ok = down_t && gate && (pi_act_is_relu(hp->ffn_act) || find_key(model, PI_KEY_GATE_THRESHOLDS) >= 0 ||
                                             want == POWERINFER_SPARSE_GATE);
+    // Input mode needs the standard layout (ffn_down, not only ffn_down_t) and thresholds.
+    bool down = true;
+    for (int32_t il = 0; il < hp->n_layer; ++il) down &= model->layers[il].ffn_down != NULL;
+    const bool input_ok = down && (find_key(model, PI_KEY_INPUT_THRESHOLDS) >= 0 || !isnan(model->params.sparse_threshold));
     switch (want) {
         case POWERINFER_SPARSE_AUTO:
-            hp->sparse_mode = pred && down_t ? POWERINFER_SPARSE_PREDICTOR
-                            : gate_ok        ? POWERINFER_SPARSE_GATE
-                                             : POWERINFER_SPARSE_DENSE;
+            hp->sparse_mode = pred && down_t                                       ? POWERINFER_SPARSE_PREDICTOR
+                            : down && find_key(model, PI_KEY_INPUT_THRESHOLDS) >= 0 ? POWERINFER_SPARSE_INPUT
+                            : gate_ok                                              ? POWERINFER_SPARSE_GATE
+                                                                                   : POWERINFER_SPARSE_DENSE;
+            break;
+        case POWERINFER_SPARSE_INPUT:
+            if (!input_ok) {
+                return pi_fail(POWERINFER_ERR_INVALID_ARG, "input mode needs %s", !down
+                               ? "ffn_down in every layer (a standard GGUF, not a PowerInfer file)"
+                               : "thresholds: " PI_KEY_INPUT_THRESHOLDS " in the file (powerinfer sparsify) or a sparse_threshold");
+            }
+            hp->sparse_mode = want;
             break;
         case POWERINFER_SPARSE_DENSE:
             hp->sparse_mode = want;
@@ -478,6 +528,15 @@ int64_t powerinfer_model_tensor_nbytes(const struct powerinfer_model * model, co
 
 float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il) {
     return il >= 0 && il < model->hp.n_layer ? model->layers[il].sparse_tau : NAN;
+}
+
+float powerinfer_model_input_threshold(const struct powerinfer_model * model, int32_t il, int32_t input) {
+    return il >= 0 && il < model->hp.n_layer && input >= 0 && input < POWERINFER_INPUT_COUNT ? model->layers[il].in_tau[input] : NAN;
+}
+
+bool powerinfer_model_input_sparse(const struct powerinfer_model * model, int32_t il, int32_t input) {
+    return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && il >= 0 && il < model->hp.n_layer && input >= 0 &&
+           input < POWERINFER_INPUT_COUNT && model->layers[il].in_cm[input].n_segs > 0;
 }
 
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.
@@ -613,6 +672,8 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
              resolve_sparse_mode(model) == POWERINFER_OK;
         // Packed first: what it takes stays out of ggml's repacked layouts.
         ok = ok && (!params.pack_dense || pi_pack_dense_weights(model) == POWERINFER_OK);
+        // From the mapped blocks, before repacking releases their pages.
+        ok = ok && pi_make_input_copies(model) == POWERINFER_OK;
         ok = ok && (!params.use_repack || repack_dense_weights(model) == POWERINFER_OK);
         ok = ok && (!params.batch_weights || pi_make_batch_weights(model, params.use_repack) == POWERINFER_OK);
         ok = ok && pi_make_row_copies(model) == POWERINFER_OK && pi_pack_predictors(model) == POWERINFER_OK;

@@ -9,6 +9,7 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "sparse_ops.h"
+#include "input_sparse.h"
 #include "placement_plan.h"
 
 #include <stdarg.h>
@@ -79,6 +80,10 @@ struct pi_layer {
     struct ggml_tensor * ffn_down_b;       // [n_ff, n_embd]: ffn_down_t transposed (files without ffn_down)
     bool                 ffn_down_b_packed; // ffn_down_b is packed for packed_matmul.c (else a ggml type)
     float                sparse_tau;       // activation threshold (gate or predictor mode)
+    // Input mode: per input (enum powerinfer_input) its threshold and the column copy of the
+    // matrices that read it (repack.c); a copy with n_segs == 0 runs dense.
+    float                in_tau[POWERINFER_INPUT_COUNT];
+    struct pi_colmat     in_cm[POWERINFER_INPUT_COUNT];
 };
 
 // ---- device.c ----
@@ -255,6 +260,9 @@ struct powerinfer_model {
     ggml_backend_buffer_t rows_buf;
     void *                rows_addr;
     size_t                rows_size;
+    // input mode's column copies (repack.c)
+    void *                cols_addr;
+    size_t                cols_size;
     uint64_t              n_bytes;
     uint64_t              n_params;
 
@@ -307,6 +315,8 @@ int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked);
 // Moves the rows the sparse path reads (ffn_up, ffn_down_t, ffn_gate in predictor mode) out
 // of the file's mapping into one anonymous region; see repack.c.
 int32_t pi_make_row_copies(struct powerinfer_model * model);
+// Input mode: the column copies of every layer's matrices (layers[].in_cm); see repack.c.
+int32_t pi_make_input_copies(struct powerinfer_model * model);
 // Whether the predictor of this model gets packed (pi_pack_predictors), and packs it.
 bool    pi_predictors_packable(const struct powerinfer_model * model);
 int32_t pi_pack_predictors(struct powerinfer_model * model);
@@ -395,6 +405,7 @@ struct pi_graph_params {
     bool    invariant_attn;  // pi_attention (attention.c) instead of ggml's: batch-invariant contexts
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
+    struct pi_active_stat * inputs; // per layer and input: input mode's thresholds and counters (and calibration histograms)
     bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
     bool    first_token; // the chunk holds a sequence's position 0: every FFN neuron (see build_ffn)
     const uint8_t * down_matmul;  // [n_layer] or NULL: single-token dense down through the matmul (build_down)
@@ -432,6 +443,7 @@ struct powerinfer_context {
 
     struct powerinfer_timings timings;
     struct pi_active_stat *   sparse;          // per layer
+    struct pi_active_stat *   inputs;          // input mode: per layer and input ([il * POWERINFER_INPUT_COUNT + i])
 
     // FFN capture for the profiler (powerinfer_set_ffn_capture): host copies of the
     // last chunk's per-layer tensors.

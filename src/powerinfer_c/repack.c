@@ -569,11 +569,126 @@ int32_t pi_pack_dense_weights(struct powerinfer_model * model) {
     return POWERINFER_OK;
 }
 
+// ---- input mode's column copies ---------------------------------------------------------------
+//
+// Input mode reads each matrix by columns (input_sparse.h): per layer, q/k/v (or the fused
+// qkv), o, gate with up, and down each get an exact column-major copy, made here from the
+// file's blocks, in one anonymous region (2 MiB pages where granted). The file's tensors
+// stay for batches (prompts), which run dense. A group with a type that has no column
+// form (F16, IQ types, ...) keeps running dense.
+
+// The matrices of input i of layer l, in the order their rows are stacked; returns how many.
+static int input_matrices(const struct pi_layer * l, int i, struct ggml_tensor ** w) {
+    switch (i) {
+        case POWERINFER_INPUT_QKV:
+            if (l->wqkv) { w[0] = l->wqkv; return 1; }
+            w[0] = l->wq; w[1] = l->wk; w[2] = l->wv;
+            return 3;
+        case POWERINFER_INPUT_O:
+            w[0] = l->wo;
+            return 1;
+        case POWERINFER_INPUT_FFN:
+            if (!l->ffn_gate) { w[0] = l->ffn_up; return 1; }
+            w[0] = l->ffn_gate; w[1] = l->ffn_up;
+            return 2;
+        default:
+            w[0] = l->ffn_down;
+            return l->ffn_down ? 1 : 0;
+    }
+}
+
+struct cols_job {
+    struct powerinfer_model * model;
+    int ith, nth;
+};
+
+static void * cols_worker(void * arg) {
+    struct cols_job * job = arg;
+    struct powerinfer_model * model = job->model;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
+            struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
+            if (l->in_cm[i].n_segs > 0 && input_matrices(l, i, w) > 0) {
+                pi_colmat_fill(&l->in_cm[i], w, job->ith, job->nth);
+            }
+        }
+    }
+    return NULL;
+}
+
+int32_t pi_make_input_copies(struct powerinfer_model * model) {
+    if (model->hp.sparse_mode != POWERINFER_SPARSE_INPUT) {
+        return POWERINFER_OK;
+    }
+    const double t0 = pi_time_ms();
+    size_t total = 0;
+    int32_t n_copies = 0, n_dense = 0;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        struct pi_layer * l = &model->layers[il];
+        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
+            struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
+            const int n = input_matrices(l, i, w);
+            bool mapped = n > 0;
+            for (int k = 0; k < n; ++k) mapped &= w[k] && w[k]->buffer == model->buf_weights;
+            const size_t bytes = mapped ? pi_colmat_plan(&l->in_cm[i], w, n) : 0;
+            if (bytes == 0) {
+                memset(&l->in_cm[i], 0, sizeof(l->in_cm[i]));
+                ++n_dense;
+                continue;
+            }
+            l->in_cm[i].q = (const uint8_t *) (uintptr_t) total;  // an offset until the region exists
+            total += (bytes + 4095) & ~(size_t) 4095;
+            ++n_copies;
+        }
+    }
+    if (n_copies == 0) {
+        pi_log(POWERINFER_LOG_WARN, "powerinfer: input mode: no matrix has a column form; everything runs dense\n");
+        return POWERINFER_OK;
+    }
+    const size_t huge = 2u << 20;
+    total = (total + huge - 1) / huge * huge;
+    void * region = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (region == MAP_FAILED) {
+        return pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot map %.1f MiB for the column copies of input mode", total / 1048576.0);
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(region, total, MADV_HUGEPAGE);
+#endif
+    model->cols_addr = region;
+    model->cols_size = total;
+    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
+        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
+            struct pi_colmat * cm = &model->layers[il].in_cm[i];
+            if (cm->n_segs > 0) pi_colmat_bind(cm, (uint8_t *) region + (uintptr_t) cm->q);
+        }
+    }
+    int32_t nth = model->params.n_threads > 0 ? model->params.n_threads : (int32_t) sysconf(_SC_NPROCESSORS_ONLN);
+    nth = nth < 1 ? 1 : nth > 64 ? 64 : nth;
+    struct cols_job jobs[64];
+    pthread_t threads[64];
+    bool running[64] = { false };
+    for (int32_t i = 0; i < nth; ++i) {
+        jobs[i] = (struct cols_job) { model, i, nth };
+        running[i] = i > 0 && pthread_create(&threads[i], NULL, cols_worker, &jobs[i]) == 0;
+    }
+    cols_worker(&jobs[0]);
+    for (int32_t i = 1; i < nth; ++i) {
+        if (running[i]) pthread_join(threads[i], NULL);
+        else cols_worker(&jobs[i]);
+    }
+    pi_log(POWERINFER_LOG_INFO, "powerinfer: input mode: %d column copies (%.1f MiB) made in %.0f ms%s\n", n_copies,
+           total / 1048576.0, pi_time_ms() - t0, n_dense ? "; some inputs run dense (no column form)" : "");
+    return POWERINFER_OK;
+}
+
 void pi_free_row_copies(struct powerinfer_model * model) {
     if (model->rows_buf) ggml_backend_buffer_free(model->rows_buf);
     if (model->rows_ctx) ggml_free(model->rows_ctx);
     if (model->rows_addr) munmap(model->rows_addr, model->rows_size);
+    if (model->cols_addr) munmap(model->cols_addr, model->cols_size);
     model->rows_buf = NULL;
     model->rows_ctx = NULL;
     model->rows_addr = NULL;
+    model->cols_addr = NULL;
 }

@@ -8,6 +8,7 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -107,29 +108,51 @@ struct ggml_tensor * pi_active_index(struct ggml_context * ctx, struct ggml_tens
 
 // ---- activation histogram (calibration) ---------------------------------------------------
 
-static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
+// log2(1 + m / 1024) for the top 10 bits m of a float's mantissa: with the exponent, log2 of
+// any positive float within 0.0015 (0.02 of a bin).
+static float g_log2_mant[1024];
+static pthread_once_t g_log2_once = PTHREAD_ONCE_INIT;
+
+static void log2_table_init(void) {
+    for (int i = 0; i < 1024; ++i) g_log2_mant[i] = log2f(1.0f + (i + 0.5f) / 1024.0f);
+}
+
+static inline int hist_bin(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u &= 0x7fffffffu;  // |v|
+    if (u == 0 || u >= 0x7f800000u) {
+        return u == 0 ? 0 : PI_HIST_BINS - 1;  // 0 to the first bin; inf and NaN to the last
     }
+    const int e = (int) (u >> 23) - 127;
+    const float l10 = ((float) e + g_log2_mant[(u >> 13) & 1023]) * 0.30102999566f;
+    const int b = (int) floorf((l10 - PI_HIST_LOG10_MIN) * (PI_HIST_BINS / (PI_HIST_LOG10_MAX - PI_HIST_LOG10_MIN)));
+    return b < 0 ? 0 : b >= PI_HIST_BINS ? PI_HIST_BINS - 1 : b;
+}
+
+// Each thread counts its share of the tokens (or of one token's elements) into a local
+// histogram and adds it in with atomics: the counts do not depend on the split.
+static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     struct pi_active_stat * stat = userdata;
     const struct ggml_tensor * x = dst->src[0];
-    const float scale = PI_HIST_BINS / (PI_HIST_LOG10_MAX - PI_HIST_LOG10_MIN);
-    for (int64_t t = 0; t < x->ne[1]; ++t) {
-        const float * row = (const float *) ((const char *) x->data + t * x->nb[1]);
-        for (int64_t i = 0; i < x->ne[0]; ++i) {
-            const float a = fabsf(row[i]);
-            int b = a > 0.0f ? (int) ((log10f(a) - PI_HIST_LOG10_MIN) * scale) : 0;
-            b = b < 0 ? 0 : b >= PI_HIST_BINS ? PI_HIST_BINS - 1 : b;
-            stat->hist[b]++;
-        }
+    pthread_once(&g_log2_once, log2_table_init);
+    const int64_t n = x->ne[0], T = x->ne[1], total = n * T;
+    const int64_t i0 = total * ith / nth, i1 = total * (ith + 1) / nth;
+    uint32_t local[PI_HIST_BINS] = { 0 };
+    for (int64_t k = i0; k < i1;) {
+        const int64_t t = k / n, end = (t + 1) * n < i1 ? (t + 1) * n : i1;
+        const float * row = (const float *) ((const char *) x->data + t * x->nb[1]) - t * n;
+        for (; k < end; ++k) local[hist_bin(row[k])]++;
+    }
+    for (int b = 0; b < PI_HIST_BINS; ++b) {
+        if (local[b]) __atomic_fetch_add(&stat->hist[b], (uint64_t) local[b], __ATOMIC_RELAXED);
     }
 }
 
 struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat) {
     GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) && stat->hist);
     struct ggml_tensor * args[1] = { x };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, histogram_op, 1, stat);
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, histogram_op, GGML_N_TASKS_MAX, stat);
 }
 
 // ---- conversion of the input to the weights' vec_dot type ----------------------------

@@ -93,7 +93,8 @@ int main(int argc, char ** argv) {
     if (bytes == 0) return die("these matrices have no column copy");
     void * mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) return die("cannot map the copy");
-    for (int i = 0; i < 3; ++i) pi_colmat_fill(&cm, w, mem, i, 3);  // three shares, as threads would
+    pi_colmat_bind(&cm, mem);
+    for (int i = 0; i < 3; ++i) pi_colmat_fill(&cm, w, i, 3);  // three shares, as threads would
 
     FILE * out = fopen(argv[3], "wb");
     if (!out) return die("cannot open output");

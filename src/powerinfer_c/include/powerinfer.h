@@ -55,10 +55,21 @@ enum powerinfer_log_level {
 };
 
 enum powerinfer_sparse_mode {
-    POWERINFER_SPARSE_AUTO      = 0, // the best valid mode for the file: predictor, else gate, else dense
+    POWERINFER_SPARSE_AUTO      = 0, // the best valid mode for the file: predictor, else input, else gate, else dense
     POWERINFER_SPARSE_DENSE     = 1, // every FFN neuron, llama.cpp's graph
     POWERINFER_SPARSE_GATE      = 2, // dense gate; up and down only where |act(gate)| > threshold
     POWERINFER_SPARSE_PREDICTOR = 3, // gate, up and down only where the predictor's logit > threshold
+    POWERINFER_SPARSE_INPUT     = 4, // every matrix reads only the columns of its input's entries with |x| > threshold
+                                     // (thresholds per layer and input: powerinfer.input_thresholds, `powerinfer sparsify`)
+};
+
+// The inputs of input mode, per layer (powerinfer_input_stats, powerinfer.input_thresholds).
+enum powerinfer_input {
+    POWERINFER_INPUT_QKV  = 0, // the attention norm's output: q, k and v
+    POWERINFER_INPUT_O    = 1, // the attention's output: o
+    POWERINFER_INPUT_FFN  = 2, // the FFN norm's output: gate and up
+    POWERINFER_INPUT_DOWN = 3, // act(gate) * up: down
+    POWERINFER_INPUT_COUNT = 4,
 };
 
 // How placement uses the devices (GPUs, iGPUs, RPC workers; docs/hybrid.md, docs/distributed.md).
@@ -263,6 +274,10 @@ POWERINFER_API int32_t powerinfer_model_n_packed(const struct powerinfer_model *
 POWERINFER_API const char * powerinfer_sparse_mode_name(int32_t mode);
 // The activation threshold of layer il in gate or predictor mode.
 POWERINFER_API float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il);
+// Input mode: the threshold of input `input` (enum powerinfer_input) of layer il, and whether
+// its matrices run input-sparse (false: they run dense, e.g. a type with no column form).
+POWERINFER_API float powerinfer_model_input_threshold(const struct powerinfer_model * model, int32_t il, int32_t input);
+POWERINFER_API bool  powerinfer_model_input_sparse(const struct powerinfer_model * model, int32_t il, int32_t input);
 // Name of the FFN activation in use ("silu", "relu", "gelu").
 POWERINFER_API const char * powerinfer_model_ffn_activation(const struct powerinfer_model * model);
 
@@ -422,9 +437,14 @@ POWERINFER_API size_t  powerinfer_state_save(const struct powerinfer_context * c
 POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, const uint8_t * src, size_t src_size);
 
 // Active FFN neurons of layer il summed over the sparse steps since the last reset
-// (n_total: neurons considered). Steps through ggml's dense matmul are not counted.
+// (n_total: neurons considered). Steps through ggml's dense matmul are not counted. In
+// input mode: the kept entries of the layer's four inputs, summed.
 POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context * ctx, int32_t il,
                                                int64_t * n_active, int64_t * n_total);
+// Input mode: kept entries of input `input` of layer il over the sparse steps since the
+// last reset, per token (n_total: entries considered).
+POWERINFER_API int32_t powerinfer_input_stats(const struct powerinfer_context * ctx, int32_t il, int32_t input,
+                                              int64_t * n_kept, int64_t * n_total);
 // The path a single token's dense down projection takes in layer il on a file that stores
 // it transposed (ffn_down_t, PowerInfer's files): 0 the AXPY over the rows of nonzero
 // activations, 1 the matmul over the batch copy (chosen by the measured nonzero share, or
@@ -471,6 +491,11 @@ POWERINFER_API int32_t powerinfer_layer_hot_neurons(const struct powerinfer_cont
 // smaller values. Returns the core's bin count; fills counts only if n_bins equals it.
 POWERINFER_API int32_t powerinfer_activation_histogram(const struct powerinfer_context * ctx, int32_t il, uint64_t * counts,
                                                        int32_t n_bins, float * log10_min, float * log10_max);
+
+// Histogram of |x| of input `input` (enum powerinfer_input) of layer il, as
+// powerinfer_activation_histogram (collect_activations; dense steps).
+POWERINFER_API int32_t powerinfer_input_histogram(const struct powerinfer_context * ctx, int32_t il, int32_t input,
+                                                  uint64_t * counts, int32_t n_bins, float * log10_min, float * log10_max);
 
 // Profiling: while enabled, decodes run the dense FFN and keep, for every layer, the
 // FFN input and activation of the last chunk computed (a chunk is at most n_batch tokens).

@@ -75,8 +75,8 @@ static void usage(FILE * out, const char * argv0) {
         "  --reset-gpu-index         ignore MODEL.generated.gpuidx and solve the neuron placement again\n"
         "  --emulate-device          hybrid placement with the device emulated in host memory (testing)\n"
         "  -ngl, --n-gpu-layers N    layer split: the last N layers on the devices (-1: all; default 0)\n"
-        "  --sparse-mode MODE        auto, dense, gate or predictor (default: auto, the best the file allows)\n"
-        "  --sparse-threshold N      activation threshold for gate/predictor mode (default: from the file)\n"
+        "  --sparse-mode MODE        auto, dense, gate, predictor or input (default: auto, the best the file allows)\n"
+        "  --sparse-threshold N      threshold of the sparse mode: gate, predictor, input (default: from the file)\n"
         "  -v, --verbose             print loading details\n",
         argv0);
 }
@@ -218,7 +218,7 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         else if (IS("--sparse-threshold"))            ok = parse_float(val, &a->sparse_threshold);
         else if (IS("--sparse-mode")) {
             ok = false;
-            for (int32_t m = POWERINFER_SPARSE_AUTO; m <= POWERINFER_SPARSE_PREDICTOR; ++m) {
+            for (int32_t m = POWERINFER_SPARSE_AUTO; m <= POWERINFER_SPARSE_INPUT; ++m) {
                 if (strcmp(val, powerinfer_sparse_mode_name(m)) == 0) {
                     a->sparse_mode = m;
                     ok = true;
@@ -284,6 +284,10 @@ static void print_sparse_activity(const struct powerinfer_model * model, const s
     }
     if (sum_t == 0) {
         return;  // dense mode, or no sparse step ran
+    }
+    if (powerinfer_model_sparse_mode(model) == POWERINFER_SPARSE_INPUT) {
+        fprintf(stderr, "sparse input = %.1f%% of matrix inputs kept (per layer, %%:%s)\n", 100.0 * sum_a / sum_t, per_layer);
+        return;
     }
     fprintf(stderr, "sparse FFN  = %.1f%% of neurons active (per layer, %%:%s)\n", 100.0 * sum_a / sum_t, per_layer);
 }

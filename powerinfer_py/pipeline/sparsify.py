@@ -1,0 +1,265 @@
+"""Any GGUF faster without retraining: input sparsity on every matrix (TEAL-style).
+
+    powerinfer sparsify MODEL.gguf --sparsity S --out OUT.gguf [--corpus FILE...] [--samples N]
+                        [--allocation greedy|uniform] [--text [NAME=]FILE...] [--card CARD]
+
+Each matrix of every layer (q/k/v, o, gate/up, down) reads only the columns of its
+input's entries with |x| above a threshold, so a decode step reads that fraction of the
+matrices' bytes. This command measures the distribution of |x| at each layer's four
+inputs (the attention norm's output, the attention's output, the FFN norm's output,
+act(gate) * up) over calibration text, picks the thresholds, and writes OUT: the input
+file unchanged (every tensor and key; llama.cpp still runs it, densely) plus the key
+`powerinfer.input_thresholds` (f32, four per layer), which makes our engine run it in
+input mode (`Llama(model_path=OUT)`, `main -m OUT`); `sparse_mode="dense"` still computes
+everything.
+
+Calibration text: --corpus files (plain text, or `powerinfer sample` .jsonl) and, with
+--samples N, N tokens the model itself writes (`powerinfer sample`; the default when no
+corpus is given). --sparsity is the share of the matrices' bytes not read per token.
+--allocation uniform drops that share of every input; greedy (the default) spends the same
+byte budget where it costs least: per input, the share of the products' energy it drops
+(sum of the dropped x^2 over sum of x^2, from the histograms) weighted by the bytes it
+saves, the cheapest first (docs/input-sparsity.md says why and shows that it wins).
+
+It ends with the trust card (`powerinfer eval`) of OUT against the original on the
+--text domains (held-out text: give domains no calibration step saw), written to --card
+(default: OUT without .gguf, plus .card.md / .card.json), unless --no-card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._core import Context, Model
+from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
+from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file
+
+KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
+KEY_INPUT_SPARSITY = "powerinfer.input_sparsity"
+KEY_INPUT_ALLOCATION = "powerinfer.input_allocation"
+INPUTS = ("qkv", "o", "ffn", "down")
+# The matrices that read each input, by tensor name suffix.
+INPUT_TENSORS = {
+    "qkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight"),
+    "o": ("attn_output.weight",),
+    "ffn": ("ffn_gate.weight", "ffn_up.weight"),
+    "down": ("ffn_down.weight",),
+}
+STEP = 0.025  # the allocation's grid of per-input sparsities
+
+
+def collect_input_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2, chunk: int = 256,
+                             progress: bool = True) -> Tuple[np.ndarray, float, float, int]:
+    """Histograms of |x| at every layer's four inputs over up to n_tokens calibration tokens:
+    (counts [n_layer, 4, n_bins], log10_min, log10_max, tokens used)."""
+    with Model(model_path, sparse_mode="dense") as model, \
+            Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
+        tokens: List[int] = []
+        for text in texts:
+            tokens.extend(model.tokenize(text.encode(), True, False))
+            if len(tokens) >= n_tokens:
+                break
+        tokens = tokens[:n_tokens]
+        if len(tokens) < chunk:
+            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
+        used = len(tokens) // chunk * chunk
+        bar = Progress("calibrating", used, progress)
+        for done in range(0, used, chunk):
+            ctx.decode(tokens[done:done + chunk], 0)
+            bar.update(done + chunk)
+        bar.close()
+        counts, lo, hi = ctx.input_histograms()
+        return counts, lo, hi, used
+
+
+def _bin_edges(n_bins: int, lo: float, hi: float) -> np.ndarray:
+    return 10.0 ** np.linspace(lo, hi, n_bins + 1)
+
+
+def dropped_energy(counts: np.ndarray, lo: float, hi: float, sparsities: np.ndarray) -> np.ndarray:
+    """For one histogram of |x|: the share of sum(x^2) that dropping the smallest
+    `sparsities` of the entries removes (each bin's entries at its geometric centre)."""
+    row = counts.astype(np.float64)
+    total = row.sum()
+    if total == 0:
+        return np.zeros_like(sparsities)
+    edges = _bin_edges(len(row), lo, hi)
+    centre = np.sqrt(edges[:-1] * edges[1:])
+    energy = row * centre ** 2
+    cum_n = np.concatenate([[0.0], np.cumsum(row)]) / total
+    cum_e = np.concatenate([[0.0], np.cumsum(energy)]) / max(energy.sum(), 1e-300)
+    return np.interp(sparsities, cum_n, cum_e)
+
+
+def threshold_for(counts: np.ndarray, lo: float, hi: float, sparsity: float) -> float:
+    """The |x| below which `sparsity` of the histogram's entries fall (log-linear inside a bin)."""
+    row = counts.astype(np.float64)
+    total = row.sum()
+    if total == 0 or sparsity <= 0.0:
+        return 0.0
+    width = (hi - lo) / len(row)
+    cdf = np.cumsum(row) / total
+    b = int(np.searchsorted(cdf, sparsity))
+    b = min(b, len(row) - 1)
+    prev = cdf[b - 1] if b > 0 else 0.0
+    frac = (sparsity - prev) / max(cdf[b] - prev, 1e-12)
+    return float(10.0 ** (lo + (b + min(max(frac, 0.0), 1.0)) * width))
+
+
+def input_bytes(model_path: str, n_layer: int) -> np.ndarray:
+    """Bytes of the matrices reading each input: [n_layer, 4]."""
+    out = np.zeros((n_layer, len(INPUTS)))
+    reader = open_gguf(model_path)
+    for t in reader.tensors:
+        parts = t.name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or int(parts[1]) >= n_layer:
+            continue
+        for i, name in enumerate(INPUTS):
+            if parts[2] in INPUT_TENSORS[name]:
+                out[int(parts[1]), i] += int(t.n_bytes)
+    return out
+
+
+def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, sparsity: float,
+             method: str = "greedy") -> np.ndarray:
+    """Per (layer, input) sparsity whose byte-weighted mean is `sparsity`. uniform: the same
+    everywhere; greedy: minimise the summed dropped-energy shares for those bytes, each step
+    the input whose next STEP of sparsity costs the least energy per byte saved (optimal for
+    these convex curves)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise PipelineError(f"--sparsity must be in [0, 1), got {sparsity}")
+    n_layer, n_in = nbytes.shape
+    if method == "uniform" or sparsity == 0.0:
+        return np.full((n_layer, n_in), sparsity)
+    if method != "greedy":
+        raise PipelineError(f"--allocation must be greedy or uniform, got {method!r}")
+    grid = np.arange(0.0, 0.95 + 1e-9, STEP)
+    curves = np.array([[dropped_energy(counts[il, i], lo, hi, grid) for i in range(n_in)] for il in range(n_layer)])
+    level = np.zeros((n_layer, n_in), dtype=np.int64)
+    target = sparsity * nbytes.sum()
+    saved = 0.0
+    while saved < target - 1e-6:
+        nxt = np.minimum(level + 1, len(grid) - 1)
+        cost = np.take_along_axis(curves, nxt[..., None], axis=2)[..., 0] - np.take_along_axis(curves, level[..., None], axis=2)[..., 0]
+        gain = nbytes * STEP
+        price = np.where((level < len(grid) - 1) & (gain > 0), cost / np.maximum(gain, 1e-30), np.inf)
+        il, i = np.unravel_index(int(np.argmin(price)), price.shape)
+        if not np.isfinite(price[il, i]):
+            break
+        step = min(gain[il, i], target - saved)
+        level[il, i] += 1
+        saved += step
+    s = grid[level]
+    # the last step may overshoot the budget by a fraction of one step: scale it back exactly
+    total = (s * nbytes).sum()
+    return s * (target / total) if total > 0 else s
+
+
+def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, method: str, progress: bool = True) -> None:
+    """Copies src to dst (every key and tensor) adding the thresholds."""
+    if same_file(src, dst):
+        raise PipelineError("the output must not be the input file")
+    reader = open_gguf(src)
+    w = new_writer(dst, reader.get_field("general.architecture").contents())
+    copy_kv(reader, w, skip={KEY_INPUT_THRESHOLDS, KEY_INPUT_SPARSITY, KEY_INPUT_ALLOCATION})
+    w.add_array(KEY_INPUT_THRESHOLDS, [float(t) for t in taus.reshape(-1)])
+    w.add_float32(KEY_INPUT_SPARSITY, float(sparsity))
+    w.add_string(KEY_INPUT_ALLOCATION, method)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    finish(w, dst, progress=progress)
+
+
+def calibration_texts(corpus: Sequence[str], samples: int, model_path: str, threads: int) -> List[str]:
+    texts = read_corpus(corpus) if corpus else []
+    if samples > 0:
+        from .sample import sample
+
+        with tempfile.TemporaryDirectory(prefix="powerinfer-sparsify-") as tmp:
+            out = os.path.join(tmp, "samples.jsonl")
+            sample(model_path, out, samples, threads=threads)
+            texts += read_corpus([out])
+    if not texts:
+        raise PipelineError("no calibration text: give --corpus files or --samples N")
+    return texts
+
+
+def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
+             n_tokens: int = 8192, allocation: str = "greedy", threads: int = 2, progress: bool = True) -> Dict:
+    if not os.path.isfile(model_path):
+        raise PipelineError(f"model {model_path}: no such file")
+    with Model(model_path, vocab_only=True) as m:
+        arch = m.arch()
+    t0 = time.time()
+    texts = calibration_texts(corpus, samples, model_path, threads)
+    counts, lo, hi, used = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
+    n_layer = counts.shape[0]
+    nbytes = input_bytes(model_path, n_layer)
+    s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
+    taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) for i in range(len(INPUTS))] for il in range(n_layer)],
+                    dtype=np.float32)
+    write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
+    return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
+            "seconds": time.time() - t0}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from . import evaluate
+
+    p = argparse.ArgumentParser(prog="powerinfer sparsify", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--sparsity", type=float, required=True, help="share of the matrices' bytes not read per token")
+    p.add_argument("--out", required=True)
+    p.add_argument("--corpus", nargs="+", default=[], help="calibration text files (plain, or `powerinfer sample` .jsonl)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="tokens of the model's own samples to add (default 2048 without --corpus, else 0)")
+    p.add_argument("--n-tokens", type=int, default=8192, help="calibration tokens used (default 8192)")
+    p.add_argument("--allocation", choices=("greedy", "uniform"), default="greedy")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--text", nargs="+", metavar="[NAME=]FILE", help="held-out domains for the trust card")
+    p.add_argument("--card", help="the card's path without extension (default: OUT without .gguf)")
+    p.add_argument("--no-card", action="store_true", help="skip the trust card")
+    p.add_argument("--no-speed", action="store_true", help="the card without its speed table")
+    evaluate.add_arguments(p, prefix="card-")
+
+    def run(a):
+        if not a.no_card and not a.text:
+            raise PipelineError("the trust card needs held-out text: --text [NAME=]FILE... (or --no-card)")
+        samples = a.samples if a.samples is not None else (0 if a.corpus else 2048)
+        r = sparsify(a.model, a.out, a.sparsity, a.corpus, samples, a.n_tokens, a.allocation, a.threads)
+        s, b = r["sparsity"], r["bytes"]
+        per_input = ", ".join(f"{name} {np.average(s[:, i], weights=b[:, i]):.0%}" for i, name in enumerate(INPUTS))
+        print(f"sparsify: {r['tokens']} calibration tokens, {a.allocation} allocation: {per_input} of each input's entries "
+              f"dropped ({a.sparsity:.0%} of the bytes) in {r['seconds']:.0f} s; wrote {a.out}", file=sys.stderr)
+        if a.no_card:
+            return 0
+        card = evaluate.evaluate(a.out, evaluate.parse_domains(a.text), a.model, ["input"], a.card_passages,
+                                 a.card_n_tokens, a.threads, a.card_n_gen, a.card_n_prompt, not a.no_speed)
+        print(evaluate.render(card))
+        md, js = evaluate.write_card(card, a.card or _card_base(a.out))
+        print(f"card: {md}, {js}", file=sys.stderr)
+        return 0
+
+    def paths(a):
+        card = a.card or _card_base(a.out)
+        written = [f for out in (a.out, *evaluate.card_files(card)) for f in files(out)]
+        inputs = [("the model", a.model, files(a.model))] + [("--corpus", f, files(f)) for f in a.corpus]
+        return [("--out", a.out, written)], inputs + evaluate.card_inputs(a.text, None)
+
+    return run_cli(run, argv, p, paths)
+
+
+def _card_base(out: str) -> str:
+    return out[:-5] + ".card" if out.endswith(".gguf") else out + ".card"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+// bench_input_sparse.c - the input-sparse product (input_sparse.c) against ggml's dense
+// matmul on the same quantized matrices: time per token and bytes read at several
+// sparsities, on the matrix groups of a Qwen2.5-1.5B-shaped layer (or any shape).
+//
+// usage: bench-input-sparse [N_THREADS [REPS]]
+#include "input_sparse.h"
+
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static float frand(unsigned * s) {
+    *s = *s * 1664525u + 1013904223u;
+    return ((*s >> 8) / 16777216.0f) * 2.0f - 1.0f;
+}
+
+struct group {
+    const char * name;
+    int n_in;
+    int n;
+    enum ggml_type type[3];
+    int rows[3];
+};
+
+static int cmp_float(const void * a, const void * b) {
+    const float x = *(const float *) a, y = *(const float *) b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char ** argv) {
+    const int nth = argc > 1 ? atoi(argv[1]) : 2;
+    const int reps = argc > 2 ? atoi(argv[2]) : 200;
+    ggml_cpu_init();
+    // Several layers' worth of each group, cycled, so the weights come from memory, not cache.
+    const int n_copies = 8;
+    const struct group groups[] = {
+        { "qkv (q4_K,q4_K,q6_K)", 1536, 3, { GGML_TYPE_Q4_K, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K }, { 1536, 256, 256 } },
+        { "o (q4_K)", 1536, 1, { GGML_TYPE_Q4_K }, { 1536 } },
+        { "gate+up (q4_K)", 1536, 2, { GGML_TYPE_Q4_K, GGML_TYPE_Q4_K }, { 8960, 8960 } },
+        { "down (q4_K)", 8960, 1, { GGML_TYPE_Q4_K }, { 1536 } },
+        { "down (q6_K)", 8960, 1, { GGML_TYPE_Q6_K }, { 1536 } },
+    };
+    const float sparsities[] = { 0.0f, 0.25f, 0.40f, 0.50f };
+    printf("threads %d; %d copies of each group cycled; per token (T = 1)\n", nth, n_copies);
+    printf("| group | MiB | ggml dense ms | GB/s | sparsity | ours ms | GB/s of bytes read | vs dense |\n|---|---|---|---|---|---|---|---|\n");
+    unsigned seed = 1;
+    for (size_t gi = 0; gi < sizeof(groups) / sizeof(groups[0]); ++gi) {
+        const struct group * g = &groups[gi];
+        struct ggml_init_params ip = { .mem_size = (size_t) 3 << 30, .mem_buffer = NULL, .no_alloc = false };
+        struct ggml_context * ctx = ggml_init(ip);
+        struct ggml_tensor * w[8][3];
+        struct pi_colmat cm[8];
+        size_t wbytes = 0;
+        for (int c = 0; c < n_copies; ++c) {
+            for (int k = 0; k < g->n; ++k) {
+                w[c][k] = ggml_new_tensor_2d(ctx, g->type[k], g->n_in, g->rows[k]);
+                float * f = malloc(sizeof(float) * (size_t) g->n_in * g->rows[k]);
+                for (size_t i = 0; i < (size_t) g->n_in * g->rows[k]; ++i) f[i] = frand(&seed);
+                ggml_quantize_chunk(g->type[k], f, w[c][k]->data, 0, g->rows[k], g->n_in, NULL);
+                free(f);
+                if (c == 0) wbytes += ggml_nbytes(w[c][k]);
+            }
+            const size_t bytes = pi_colmat_plan(&cm[c], w[c], g->n);
+            void * mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            pi_colmat_bind(&cm[c], mem);
+            pi_colmat_fill(&cm[c], w[c], 0, 1);
+        }
+        // the dense reference: ggml's matmul of each segment
+        struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, g->n_in, 1);
+        float * xs = (float *) x->data;
+        for (int i = 0; i < g->n_in; ++i) {
+            const float u = frand(&seed);
+            xs[i] = u * u * u * 4.0f;  // heavy-tailed, as activations are
+        }
+        double t_dense;
+        {
+            struct ggml_cgraph * gf = ggml_new_graph(ctx);
+            for (int c = 0; c < n_copies; ++c) {
+                for (int k = 0; k < g->n; ++k) ggml_build_forward_expand(gf, ggml_mul_mat(ctx, w[c][k], x));
+            }
+            ggml_graph_compute_with_ctx(ctx, gf, nth);
+            const double t0 = now_ms();
+            for (int r = 0; r < reps / n_copies + 1; ++r) ggml_graph_compute_with_ctx(ctx, gf, nth);
+            t_dense = (now_ms() - t0) / ((reps / n_copies + 1) * n_copies);
+        }
+        float * sorted = malloc(sizeof(float) * (size_t) g->n_in);
+        for (int i = 0; i < g->n_in; ++i) sorted[i] = fabsf(xs[i]);
+        qsort(sorted, (size_t) g->n_in, sizeof(float), cmp_float);
+        for (size_t si = 0; si < sizeof(sparsities) / sizeof(sparsities[0]); ++si) {
+            const float s = sparsities[si];
+            struct pi_active_stat stat = { .threshold = s > 0 ? sorted[(int) (s * g->n_in)] : 0.0f };
+            struct ggml_cgraph * gf = ggml_new_graph(ctx);
+            for (int c = 0; c < n_copies; ++c) ggml_build_forward_expand(gf, pi_input_sparse_matmul(ctx, &cm[c], x, &stat));
+            ggml_graph_compute_with_ctx(ctx, gf, nth);
+            const double t0 = now_ms();
+            for (int r = 0; r < reps / n_copies + 1; ++r) ggml_graph_compute_with_ctx(ctx, gf, nth);
+            const double t = (now_ms() - t0) / ((reps / n_copies + 1) * n_copies);
+            const double kept = (double) stat.n_active / (double) stat.n_total;
+            const double scale_bytes = (double) cm[0].bytes - (double) cm[0].col_stride * cm[0].n_in;
+            const double read = kept * cm[0].col_stride * cm[0].n_in + scale_bytes;
+            printf("| %s | %.1f | %.3f | %.1f | %.0f%% (kept %.0f%%) | %.3f | %.1f | %.2fx |\n", g->name, wbytes / 1048576.0, t_dense,
+                   wbytes / t_dense / 1e6, s * 100, kept * 100, t, read / t / 1e6, t_dense / t);
+        }
+        free(sorted);
+        ggml_free(ctx);
+    }
+    return 0;
+}
