@@ -90,9 +90,10 @@ static void input_histogram(struct ggml_context * ctx, struct ggml_cgraph * gf, 
     }
 }
 
-// Rows [r0, r0 + n) of y [rows, T] as a contiguous [n, T].
+// Rows [r0, r0 + n) of y [rows, T] as a contiguous [n, T] (a view for one token).
 static struct ggml_tensor * rows_of(struct ggml_context * ctx, struct ggml_tensor * y, int64_t r0, int64_t n) {
-    return ggml_cont(ctx, ggml_view_2d(ctx, y, n, y->ne[1], y->nb[1], (size_t) r0 * ggml_element_size(y)));
+    struct ggml_tensor * v = ggml_view_2d(ctx, y, n, y->ne[1], y->nb[1], (size_t) r0 * ggml_element_size(y));
+    return y->ne[1] == 1 ? v : ggml_cont(ctx, v);
 }
 
 // w . x through w's packed copy w_p (pack_dense, packed predictors) while w is the file's
@@ -239,15 +240,17 @@ static struct ggml_tensor * build_ffn_input(struct ggml_context * ctx, const str
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int64_t n_ff = model->hp.n_ff;
     struct ggml_tensor * gu = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_FFN, x);
-    struct ggml_tensor * gate, * up;
-    if (gu) {
-        gate = l->ffn_gate ? rows_of(ctx, gu, 0, n_ff) : NULL;
-        up   = l->ffn_gate ? rows_of(ctx, gu, n_ff, n_ff) : gu;
+    struct ggml_tensor * h;
+    if (gu && l->ffn_gate && act != PI_ACT_DRELU) {
+        // gate's rows, then up's, per token: ggml's fused GLU takes the halves of each row
+        h = act == PI_ACT_RELU ? ggml_reglu(ctx, gu) : act == PI_ACT_GELU ? ggml_geglu(ctx, gu) : ggml_swiglu(ctx, gu);
+    } else if (gu) {
+        h = build_glu(ctx, act, l->ffn_gate ? rows_of(ctx, gu, 0, n_ff) : NULL, l->ffn_gate ? rows_of(ctx, gu, n_ff, n_ff) : gu);
     } else {
-        up   = packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
-        gate = l->ffn_gate ? packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x) : NULL;
+        struct ggml_tensor * up   = packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
+        struct ggml_tensor * gate = l->ffn_gate ? packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x) : NULL;
+        h = build_glu(ctx, act, gate, up);
     }
-    struct ggml_tensor * h = build_glu(ctx, act, gate, up);
     struct ggml_tensor * down = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_DOWN, h);
     return down ? down : packed_or_mul(ctx, model, l->ffn_down, l->ffn_down_p, h);
 }
