@@ -2,11 +2,15 @@
 build/bin/test-input-sparse driver (the operator is internal to the core).
 
 The column copy must hold the file's weights exactly: its rows equal ggml's own
-dequantization bit for bit. The product keeps x[j] when |x[j]| > tau, quantizes the kept
-entries to 8 bits per 32 columns (step d = amax / 127 over the kept entries of the 32,
-q8 = round(x / d)), and sums per unit of 16 or 32 columns
-    y = sum_u a_u * d_u * sum_{j in u, kept} q_j * q8_j  +  b_u * sum_{j in u, kept} x_j
-where w = a * q + b is the weight (the copy's a, b and q). Two references:
+dequantization bit for bit. The product keeps x[j] when |x[j]| > tau and quantizes the kept
+entries to 8 bits per block of 32 columns, or of 256 when every matrix is a K-quant (step
+d = amax / 127 over the kept entries of the block, q8 = round(x / d)). With w = a * q + b
+the weight (the copy's a, b and q), it sums per unit u of 16 or 32 columns
+    y = sum_u a_u * d * sum_{j in u, kept} q_j * q8_j  +  b_u * sum_{j in u, kept} x_j
+(blocks of 32: float scales per unit), or, with blocks of 256 (integer sums per unit,
+folded per super-block, as ggml's K-quant dot products do)
+    y = sum_j w_j * q8_j * d                 over the kept j.
+Two references:
   - that formula in float64 from the copy's a, b, q and numpy's own quantization of x:
     only float32 rounding separates them, bounded by (units + 2) * eps * sum |terms|;
   - the float64 product of the dequantized W with x over the kept entries: the input's
@@ -69,32 +73,36 @@ def _roundf(v):
     return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
 
 
-def _quantize_kept(x, tau):
+K_QUANTS = {"q4_K", "q5_K", "q6_K"}
+
+
+def _quantize_kept(x, tau, block):
     """The operator's kept mask and 8-bit inputs, in float32 like the C code."""
     keep = ~(np.abs(x) <= tau)
     T, n = x.shape
     xk = np.where(keep, x, 0).astype(np.float32)
-    amax = np.abs(xk).reshape(T, n // 32, 32).max(axis=2)
+    amax = np.abs(xk).reshape(T, n // block, block).max(axis=2)
     d = (amax / np.float32(127)).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q8 = _roundf((xk.reshape(T, n // 32, 32) * inv[:, :, None]).astype(np.float32)).reshape(T, n)
+    q8 = _roundf((xk.reshape(T, n // block, block) * inv[:, :, None]).astype(np.float32)).reshape(T, n)
     q8 = np.where(keep, q8, 0)
-    return keep, d, q8
+    return keep, np.repeat(d, block, axis=1), q8
 
 
-def _check(out, x, tau, units):
+def _check(out, x, tau, units, types):
     deq, w, a, b = out["deq"], out["w"], out["a"], out["b"]
     assert np.array_equal(w, deq), "the column copy does not hold ggml's weights exactly"
-    keep, d, q8 = _quantize_kept(x, tau)
+    kblocks = all(t in K_QUANTS for t in types)
+    keep, d, q8 = _quantize_kept(x, tau, 256 if kblocks else 32)
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     q = np.where(a != 0, np.round((w.astype(np.float64) - b64) / np.where(a != 0, a64, 1)), 0)
     n_in = x.shape[1]
-    dcol = np.repeat(d, 32, axis=1).astype(np.float64)  # [T, n_in]
+    dcol = d.astype(np.float64)  # [T, n_in]: each column's quantization step
     xk = np.where(keep, x, 0).astype(np.float64)
     for t in range(x.shape[0]):
         # the operator's arithmetic, in float64
         terms_q = a64 * q * (q8[t] * dcol[t])[None, :]
-        terms_b = b64 * xk[t][None, :]
+        terms_b = b64 * ((q8[t] * dcol[t]) if kblocks else xk[t])[None, :]
         ref = terms_q.sum(axis=1) + terms_b.sum(axis=1)
         mag = np.abs(terms_q).sum(axis=1) + np.abs(terms_b).sum(axis=1)
         err = np.abs(out["y"][t] - ref)
@@ -102,7 +110,7 @@ def _check(out, x, tau, units):
         assert (err <= bound).all(), f"token {t}: max err {err.max()} vs bound at worst {(err - bound).max()}"
         # against the plain product over the kept entries: the input's quantization
         plain = (w.astype(np.float64) * xk[t][None, :]).sum(axis=1)
-        qerr = (np.abs(a64 * q) * (dcol[t] / 2 * keep[t])[None, :]).sum(axis=1)
+        qerr = ((np.abs(a64 * q) + (np.abs(b64) if kblocks else 0)) * (dcol[t] / 2 * keep[t])[None, :]).sum(axis=1)
         assert (np.abs(out["y"][t] - plain) <= qerr + bound).all()
     assert np.array_equal(out["y"], out["y_alone"]), "a token's result depends on the rest of its batch"
     assert np.array_equal(out["y"], out["y_scalar"]), "the SIMD and scalar kernels differ"
@@ -130,7 +138,7 @@ def test_each_type_exact_copy_and_product(tmp_path, wtype, driver):
     tau = float(np.quantile(np.abs(x), 0.4))
     segs = [(wtype, _weights(rng, 208, n_in))]  # 208 rows: three whole tiles and a partial one
     out = _run(tmp_path, segs, x, tau, driver=driver)
-    _check(out, x, tau, UNIT.get(wtype, 32))
+    _check(out, x, tau, UNIT.get(wtype, 32), [wtype])
 
 
 @pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
@@ -142,7 +150,19 @@ def test_mixed_group_like_q_k_v(tmp_path, driver):
     tau = float(np.quantile(np.abs(x), 0.5))
     segs = [("q4_K", _weights(rng, 256, n_in)), ("q4_K", _weights(rng, 64, n_in)), ("q6_K", _weights(rng, 80, n_in))]
     out = _run(tmp_path, segs, x, tau, driver=driver)
-    _check(out, x, tau, 16)
+    _check(out, x, tau, 16, [t for t, _ in segs])
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+def test_mixed_group_of_k_and_32_blocks(tmp_path, driver):
+    # a K-quant beside a 32-block type: the input is quantized per 32, float scales per unit
+    rng = np.random.default_rng(8)
+    n_in = 512
+    x = _inputs(rng, 5, n_in)  # five tokens: groups of four, then one
+    tau = float(np.quantile(np.abs(x), 0.45))
+    segs = [("q6_K", _weights(rng, 128, n_in)), ("q8_0", _weights(rng, 192, n_in)), ("q5_0", _weights(rng, 64, n_in))]
+    out = _run(tmp_path, segs, x, tau, driver=driver)
+    _check(out, x, tau, 16, [t for t, _ in segs])
 
 
 def test_thread_count_does_not_change_the_bits(tmp_path):
@@ -165,7 +185,7 @@ def test_extremes_of_the_threshold(tmp_path):
     x0 = x.copy()
     x0[0, :40] = 0
     out = _run(tmp_path, segs, x0, 0.0)
-    _check(out, x0, 0.0, 32)
+    _check(out, x0, 0.0, 32, ["q4_0"])
     assert out["kept"] == int((x0 != 0).sum())
     # above every entry: nothing kept, the product is 0
     out = _run(tmp_path, segs, x, float(np.abs(x).max()) * 2)

@@ -81,6 +81,7 @@ static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx)
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .inputs     = ctx->inputs,
+        .input_ops  = ctx->input_ops,
     };
     struct pi_graph_inputs in = { .cap_x = ctx->capture.tx, .cap_act = ctx->capture.tact };
     ctx->last.valid = false;  // the graph memory now holds this one
@@ -307,6 +308,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         ctx->down.matmul[il] = ctx->down.forced == 2;
     }
     ctx->inputs = calloc((size_t) model->hp.n_layer * POWERINFER_INPUT_COUNT, sizeof(*ctx->inputs));
+    ctx->input_ops = calloc((size_t) model->hp.n_layer * POWERINFER_INPUT_COUNT, sizeof(*ctx->input_ops));
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
         if (params.collect_activations) {
@@ -314,14 +316,18 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
             hist_ok &= ctx->sparse[il].hist != NULL;
         }
     }
-    for (int32_t k = 0; ctx->inputs && k < model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+    const int32_t n_threads_max = params.n_threads > params.n_threads_batch ? params.n_threads : params.n_threads_batch;
+    for (int32_t k = 0; ctx->inputs && ctx->input_ops && k < model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
         ctx->inputs[k].threshold = model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT];
+        ctx->input_ops[k] = (struct pi_input_op) { &model->layers[k / POWERINFER_INPUT_COUNT].in_cm[k % POWERINFER_INPUT_COUNT],
+                                                   &ctx->inputs[k], n_threads_max, { 0 } };
         if (params.collect_activations) {  // |x| of every matrix's input (powerinfer sparsify)
             ctx->inputs[k].hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
             hist_ok &= ctx->inputs[k].hist != NULL;
         }
     }
-    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !ctx->inputs || !ctx->ubatch_buf || !hist_ok) {
+    if (!ctx->graph_buf || !ctx->backend || !ctx->galloc || !ctx->sparse || !ctx->inputs || !ctx->input_ops || !ctx->ubatch_buf ||
+        !hist_ok) {
         pi_fail(POWERINFER_ERR_NO_MEMORY, "cannot create the CPU backend");
         powerinfer_context_free(ctx);
         return NULL;
@@ -372,6 +378,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     }
     free(ctx->sparse);
     free(ctx->inputs);
+    free(ctx->input_ops);
     free(ctx->capture.x);
     free(ctx->capture.act);
     free(ctx->capture.tx);
@@ -433,6 +440,14 @@ uint32_t powerinfer_n_batch(const struct powerinfer_context * ctx) { return ctx-
 void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads, int32_t n_threads_batch) {
     if (n_threads > 0)       ctx->params.n_threads = n_threads;
     if (n_threads_batch > 0) ctx->params.n_threads_batch = n_threads_batch;
+    // input mode's operators size their scratch by the threads (input_sparse.h)
+    const int32_t n_max = ctx->params.n_threads > ctx->params.n_threads_batch ? ctx->params.n_threads : ctx->params.n_threads_batch;
+    for (int32_t k = 0; k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+        if (ctx->input_ops[k].n_threads != n_max) {
+            ctx->input_ops[k].n_threads = n_max;
+            ctx->last.valid = false;
+        }
+    }
 }
 
 void pi_context_set_abort(struct powerinfer_context * ctx, bool (*fn)(void * data), void * data) {
@@ -634,6 +649,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .inputs     = ctx->inputs,
+        .input_ops  = ctx->input_ops,
         .capture    = ctx->capture.enabled,
         .down_matmul = ctx->down.matmul,
     };

@@ -64,21 +64,21 @@ static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act a
 // or calibrating (those want every value).
 static bool input_step(const struct powerinfer_model * model, const struct pi_graph_params * gp) {
     return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && gp->n_tokens <= gp->sparse_max_batch &&
-           gp->n_tokens <= PI_COLMAT_MAX_TOKENS && !gp->capture && !gp->first_token && gp->inputs && !gp->inputs[0].hist;
+           gp->n_tokens <= PI_COLMAT_MAX_TOKENS && !gp->capture && !gp->first_token && gp->input_ops && !gp->inputs[0].hist;
 }
 
 // The input-sparse product of input i of layer il when this step takes it and the input
 // has a column copy; NULL otherwise (the caller multiplies densely).
 static struct ggml_tensor * input_sparse(struct ggml_context * ctx, const struct powerinfer_model * model,
                                          const struct pi_graph_params * gp, int il, int i, struct ggml_tensor * x) {
-    const struct pi_colmat * cm = &model->layers[il].in_cm[i];
-    if (!input_step(model, gp) || cm->n_segs == 0) {
+    struct pi_input_op * op = &gp->input_ops[il * POWERINFER_INPUT_COUNT + i];
+    if (!input_step(model, gp) || op->cm->n_segs == 0) {
         return NULL;
     }
     if (!ggml_is_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1) {
         x = ggml_cont_2d(ctx, x, x->ne[0], ggml_nelements(x) / x->ne[0]);
     }
-    return pi_input_sparse_matmul(ctx, cm, x, &gp->inputs[il * POWERINFER_INPUT_COUNT + i]);
+    return pi_input_sparse_matmul(ctx, op, x);
 }
 
 // Calibration (collect_activations): adds |x| of input i of layer il to its histogram.

@@ -122,12 +122,16 @@ static void decode_q32(enum ggml_type type, const void * row, int64_t b, uint8_t
 
 // ---- layout -------------------------------------------------------------------------------
 //
-// Within a tile of 64 rows, row 16m + 4L + d sits at position 16L + 4m + d. The kernel
-// interleaves four columns' 64 positions with unpack instructions that work inside
-// 128-bit lanes; this order makes their results come out as rows 16m .. 16m + 15 in
-// register m. A tile of one column: positions p and p + 32 in the low and high nibbles of
-// byte p (p < 32); then, for 5 and 6 bits, 64-bit masks of bit 4 (and bit 5) by position;
-// 8 bits: one byte per position.
+// A column's rows come in tiles of 128, each two halves of 64. Within a half, row
+// 16m + 4L + d sits at position 16L + 4m + d: the kernel interleaves four columns' 64
+// positions with unpack instructions that work inside 128-bit lanes, and this order makes
+// their results come out as rows 16m .. 16m + 15 in register m. A tile of one column:
+//   4, 5, 6 bits: 64 bytes, byte p = position p of the first half in its low nibble and of
+//                 the second half in its high nibble; then for each bit above the fourth, a
+//                 64-bit mask of it by position for the first half, then for the second;
+//   8 bits:       64 bytes of the first half's positions, then 64 of the second's.
+
+#define HALF (TILE / 2)
 
 static inline int tile_pos(int r) {
     const int m = r / 16, L = (r % 16) / 4, d = r % 4;
@@ -135,7 +139,7 @@ static inline int tile_pos(int r) {
 }
 
 static size_t tile_rec_bytes(int bits) {
-    return bits == 8 ? 64 : 32 + 8 * (size_t) (bits - 4);
+    return bits == 8 ? 128 : 64 + 16 * (size_t) (bits - 4);
 }
 
 static bool seg_kind(enum ggml_type type, struct pi_colmat_seg * s) {
@@ -154,6 +158,10 @@ static bool seg_kind(enum ggml_type type, struct pi_colmat_seg * s) {
 
 // Bytes of one segment's scale arrays (rows padded to tiles), and where each starts.
 struct scale_sizes { size_t d, m, sc, mins; };
+
+// K's minimums are stored per super-block and row, the 8 of a row together: index of
+// sub-block s (32 columns) of row `row` (rows: the segment's padded rows).
+static inline size_t min_index(size_t rows, int64_t s, int64_t row) { return ((size_t) (s / 8) * rows + (size_t) row) * 8 + (size_t) (s % 8); }
 
 static struct scale_sizes scale_sizes(const struct pi_colmat_seg * s, int64_t n_in) {
     const size_t rows = (size_t) s->n_tiles * TILE;
@@ -187,16 +195,24 @@ size_t pi_colmat_plan(struct pi_colmat * cm, struct ggml_tensor * const * w, int
         }
         s->type    = w[k]->type;
         s->row0    = cm->n_out;
+        s->pad0    = cm->n_pad;
         s->n_rows  = w[k]->ne[1];
         s->n_tiles = (s->n_rows + TILE - 1) / TILE;
         s->rec     = tile_rec_bytes(s->bits);
         s->col_off = cm->col_stride;
         cm->col_stride += (size_t) s->n_tiles * s->rec;
         cm->n_out += s->n_rows;
+        cm->n_pad += s->n_tiles * TILE;
         if (s->unit < cm->chunk) cm->chunk = s->unit;
     }
     cm->n_segs     = n;
     cm->col_stride = pad64(cm->col_stride);
+    // K-quants only: the input is quantized per 256 (one step per super-block, as ggml's
+    // Q8_K) and each row's sums fold in integers over a super-block; else per 32.
+    cm->xblock = QK_K;
+    for (int k = 0; k < n; ++k) {
+        if (cm->seg[k].scales != PI_CM_K && cm->seg[k].scales != PI_CM_6K) cm->xblock = QK;
+    }
     size_t bytes = cm->col_stride * (size_t) n_in;
     for (int k = 0; k < n; ++k) {
         const struct scale_sizes z = scale_sizes(&cm->seg[k], n_in);
@@ -234,7 +250,7 @@ static void fill_scales(const struct pi_colmat_seg * s, const void * src_row, in
                 m[(size_t) sb * rows + row] = q4 ? x4->dmin : x5->dmin;
                 for (int j = 0; j < 8; ++j) {
                     k_scale_min(q4 ? x4->scales : x5->scales, j, &sc[(size_t) (sb * 8 + j) * rows + row],
-                                &mins[(size_t) (sb * 8 + j) * rows + row]);
+                                &mins[min_index(rows, sb * 8 + j, row)]);
                 }
             }
             break;
@@ -262,37 +278,41 @@ void pi_colmat_bind(struct pi_colmat * cm, void * mem) {
     }
 }
 
-// One column's tile record from its 64 q in position order.
+// One column's tile record from its 128 q (two halves, each in position order).
 static inline void pack_record(const uint8_t * v, int bits, uint8_t * rec) {
     if (bits == 8) {
         memcpy(rec, v, TILE);
         return;
     }
 #ifdef PI_CM_VNNI
-    const __m256i lo = _mm256_loadu_si256((const __m256i *) v), hi = _mm256_loadu_si256((const __m256i *) (v + 32));
-    const __m256i mk = _mm256_set1_epi8(0x0F);
-    _mm256_storeu_si256((__m256i *) rec, _mm256_or_si256(_mm256_and_si256(lo, mk),
-                                                         _mm256_slli_epi16(_mm256_and_si256(hi, mk), 4)));
-    const __m512i all = _mm512_loadu_si512(v);
+    const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + HALF);
+    const __m512i mk = _mm512_set1_epi8(0x0F);
+    _mm512_storeu_si512(rec, _mm512_or_si512(_mm512_and_si512(a, mk), _mm512_slli_epi16(_mm512_and_si512(b, mk), 4)));
     for (int hb = 4; hb < bits; ++hb) {
-        const uint64_t m = _cvtmask64_u64(_mm512_test_epi8_mask(all, _mm512_set1_epi8((char) (1 << hb))));
-        memcpy(rec + 32 + 8 * (hb - 4), &m, 8);
+        const uint64_t ma = _cvtmask64_u64(_mm512_test_epi8_mask(a, _mm512_set1_epi8((char) (1 << hb))));
+        const uint64_t mb = _cvtmask64_u64(_mm512_test_epi8_mask(b, _mm512_set1_epi8((char) (1 << hb))));
+        memcpy(rec + 64 + 16 * (hb - 4), &ma, 8);
+        memcpy(rec + 72 + 16 * (hb - 4), &mb, 8);
     }
 #else
-    for (int p = 0; p < 32; ++p) rec[p] = (uint8_t) ((v[p] & 0x0F) | ((v[p + 32] & 0x0F) << 4));
+    for (int p = 0; p < HALF; ++p) rec[p] = (uint8_t) ((v[p] & 0x0F) | ((v[HALF + p] & 0x0F) << 4));
     for (int hb = 4; hb < bits; ++hb) {
-        uint64_t m = 0;
-        for (int p = 0; p < TILE; ++p) m |= (uint64_t) ((v[p] >> hb) & 1) << p;
-        memcpy(rec + 32 + 8 * (hb - 4), &m, 8);
+        uint64_t ma = 0, mb = 0;
+        for (int p = 0; p < HALF; ++p) {
+            ma |= (uint64_t) ((v[p] >> hb) & 1) << p;
+            mb |= (uint64_t) ((v[HALF + p] >> hb) & 1) << p;
+        }
+        memcpy(rec + 64 + 16 * (hb - 4), &ma, 8);
+        memcpy(rec + 72 + 16 * (hb - 4), &mb, 8);
     }
 #endif
 }
 
 void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth) {
-    uint8_t q[TILE][QK];        // 64 rows x 32 columns of one block, row order
-    uint8_t colq[QK][TILE];     // the same, a column's 64 q in position order
+    uint8_t q[TILE][QK];        // 128 rows x 32 columns of one block, row order
+    uint8_t colq[QK][TILE];     // the same, a column's 128 q: two halves in position order
     int row_of[TILE];
-    for (int p = 0; p < TILE; ++p) row_of[p] = tile_pos(p);  // the permutation is its own inverse
+    for (int p = 0; p < TILE; ++p) row_of[p] = (p / HALF) * HALF + tile_pos(p % HALF);  // the order is its own inverse
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
         const int64_t t0 = s->n_tiles * ith / nth, t1 = s->n_tiles * (ith + 1) / nth;
@@ -321,19 +341,172 @@ void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w,
     }
 }
 
-// q of row r (tile position p) in one column's tile record.
+// q at position p (of the first half, or p - 64 of the second) of one column's tile record.
 static inline uint8_t rec_q(const uint8_t * rec, int bits, int p) {
     if (bits == 8) {
         return rec[p];
     }
-    uint8_t v = (uint8_t) (p < 32 ? rec[p] & 0x0F : rec[p - 32] >> 4);
+    const int h = p / HALF, pp = p % HALF;
+    uint8_t v = (uint8_t) (h ? rec[pp] >> 4 : rec[pp] & 0x0F);
     for (int hb = 4; hb < bits; ++hb) {
-        v |= (uint8_t) (((rec[32 + 8 * (hb - 4) + p / 8] >> (p % 8)) & 1) << hb);
+        v |= (uint8_t) (((rec[64 + 16 * (hb - 4) + 8 * h + pp / 8] >> (pp % 8)) & 1) << hb);
     }
     return v;
 }
 
-// (a, b) of a segment's row (segment-relative) for column j.
+// The position in a tile of row r of the tile.
+static inline int row_pos(int r) { return (r / HALF) * HALF + tile_pos(r % HALF); }
+
+// ---- prepare: kept columns and quantized inputs ------------------------------------------
+//
+// Per chunk of C columns a record of rec_len(C, T) int32:
+//   [0]                   number of groups of 4 kept columns (the union over the batch)
+//   [1, 1 + C)            their column ids, groups of 4; the unused slots repeat the last id
+//   [1 + C + g*T + t]     token t's 8-bit inputs of group g, packed into one int32
+//   then float dx[T]      token t's quantization step of the chunk's xblock columns
+//   then sx[T]            token t's sum of its kept inputs in the chunk: float (xblock 32), or
+//                         int32, the sum of their 8-bit values (xblock 256)
+
+static inline int64_t rec_len(int64_t C, int64_t T) { return 1 + C + (C / 4) * T + 2 * T; }
+
+static inline int32_t round_away(float v) { return (int32_t) (v >= 0.0f ? v + 0.5f : v - 0.5f); }  // roundf
+
+struct prep_view {
+    int32_t * base;
+    int64_t   R;         // int32 per record
+    int64_t   n_chunks;
+};
+
+// Records of the chunks of quantization blocks [b0, b1) of x (F32 [n_in, T]); returns the
+// kept entries counted per token.
+static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const struct ggml_tensor * x, const struct prep_view * pv,
+                              int64_t b0, int64_t b1) {
+    const int64_t T = x->ne[1], C = cm->chunk, X = cm->xblock, R = pv->R;
+    const bool kmode = X == QK_K;
+    int64_t kept_total = 0;
+    for (int64_t bx = b0; bx < b1; ++bx) {
+        float dxs[PI_COLMAT_MAX_TOKENS], ids[PI_COLMAT_MAX_TOKENS];
+        for (int64_t t = 0; t < T; ++t) {
+            const float * xt = (const float *) ((const char *) x->data + t * x->nb[1]) + bx * X;
+            float amax = 0.0f;
+            bool bad = false;
+#ifdef PI_CM_VNNI
+            __m512 mx = _mm512_setzero_ps();
+            __mmask16 nonfinite = 0;
+            for (int64_t j = 0; j < X; j += 16) {
+                const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xt + j));
+                const __mmask16 keep = _mm512_cmp_ps_mask(a, _mm512_set1_ps(tau), _CMP_NLE_UQ);  // !(a <= tau): NaN kept
+                mx = _mm512_mask_max_ps(mx, keep, mx, a);
+                nonfinite |= _mm512_mask_cmp_ps_mask(keep, a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+            }
+            amax = _mm512_reduce_max_ps(mx);
+            bad = nonfinite != 0;
+#else
+            for (int64_t j = 0; j < X; ++j) {
+                const float a = fabsf(xt[j]);
+                if (!(a <= tau)) {  // NaN is kept: it must reach the output
+                    amax = a > amax ? a : amax;
+                    bad |= !(a < INFINITY);
+                }
+            }
+#endif
+            dxs[t] = bad ? NAN : amax / 127.0f;
+            ids[t] = dxs[t] > 0.0f && isfinite(dxs[t]) ? 1.0f / dxs[t] : 0.0f;
+        }
+        for (int64_t c = bx * X / C; c < (bx + 1) * X / C; ++c) {
+            int32_t * rec = pv->base + c * R;
+            int32_t * cols = rec + 1;
+            int32_t * x4 = rec + 1 + C;
+            float * dx = (float *) (rec + 1 + C + (C / 4) * T);
+            float * sx = dx + T;
+            int32_t * s8 = (int32_t *) sx;
+            const int64_t j0 = c * C;
+            uint32_t keep[PI_COLMAT_MAX_TOKENS];  // bit l: column j0 + l kept for token t
+            uint32_t any = 0;
+            for (int64_t t = 0; t < T; ++t) {
+                const float * xt = (const float *) ((const char *) x->data + t * x->nb[1]) + j0;
+                uint32_t k = 0;
+#ifdef PI_CM_VNNI
+                for (int64_t l = 0; l < C; l += 16) {
+                    k |= (uint32_t) _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xt + l)), _mm512_set1_ps(tau), _CMP_NLE_UQ) << l;
+                }
+#else
+                for (int64_t l = 0; l < C; ++l) k |= (uint32_t) !(fabsf(xt[l]) <= tau) << l;
+#endif
+                keep[t] = k;
+                any |= k;
+                kept_total += __builtin_popcount(k);
+            }
+            int32_t n = 0;
+            for (uint32_t m = any; m; m &= m - 1) cols[n++] = (int32_t) (j0 + __builtin_ctz(m));
+            const int32_t n_groups = (n + 3) / 4;
+            for (int32_t i = n; i < C; ++i) cols[i] = n ? cols[n - 1] : (int32_t) j0;
+            rec[0] = n_groups;
+            for (int64_t t = 0; t < T; ++t) {
+                const float * xt = (const float *) ((const char *) x->data + t * x->nb[1]);
+                const float id = ids[t];
+                float sum = 0.0f;
+                int32_t sum8 = 0;
+                int8_t q[32] = { 0 };
+                for (int32_t i = 0; i < n; ++i) {
+                    const int64_t j = cols[i];
+                    if (keep[t] >> (j - j0) & 1) {
+                        const float v = xt[j] * id;
+                        const int32_t q8 = isfinite(v) ? round_away(v) : 0;
+                        q[i] = (int8_t) q8;
+                        sum += xt[j];
+                        sum8 += q8;
+                    }
+                }
+                for (int32_t g = 0; g < n_groups; ++g) {
+                    uint32_t packed;
+                    memcpy(&packed, q + 4 * g, 4);
+                    x4[g * T + t] = (int32_t) packed;
+                }
+                dx[t] = dxs[t];
+                if (kmode) {
+                    s8[t] = sum8;
+                } else {
+                    sx[t] = isfinite(dxs[t]) ? sum : NAN;
+                }
+            }
+        }
+    }
+    return kept_total;
+}
+
+// ---- the product ------------------------------------------------------------------------
+//
+// The columns are split into PI_CM_PIECES pieces (super-blocks with xblock 256, else
+// chunks), a function of the shape alone; threads claim pieces from a counter, and each
+// piece sums into its own partial output, so a thread reads whole kept columns: runs of
+// the group's rows, long enough for the memory system. A second op adds the partials in
+// piece order, so the result depends neither on the thread count nor on who ran what.
+// In a piece, for each chunk, the groups of 4 kept columns add q * x8 into 32-bit sums per
+// row (acc), 16 rows per register and one vpdpbusd per token; then the sums fold: with
+// xblock 32 into the partial per chunk, y += a * dx * acc + b * sx (float scales); with
+// xblock 256 into integer sums per super-block, t += sc * acc, and at its end
+// y += d * dx * (t - offsets) (- dmin * dx * sum(m * s8) for Q4_K / Q5_K), as ggml's K-quant
+// dot products do.
+
+#define PI_CM_PIECES 16
+
+struct chunk_view {
+    int32_t         n_groups;
+    const int32_t * cols;
+    const int32_t * x4;
+    const float *   dx;
+    const float *   sx;   // xblock 32
+    const int32_t * s8;   // xblock 256
+};
+
+static inline struct chunk_view chunk_at(const struct prep_view * prep, int64_t c, int64_t C, int64_t T) {
+    const int32_t * rec = prep->base + c * prep->R;
+    const float * dx = (const float *) (rec + 1 + C + (C / 4) * T);
+    return (struct chunk_view) { rec[0], rec + 1, rec + 1 + C, dx, dx + T, (const int32_t *) (dx + T) };
+}
+
+// The scale and offset of row `row` of a segment for column j (scalar; pi_colmat_row).
 static inline void seg_ab(const struct pi_colmat_seg * s, int64_t row, int64_t j, float * a, float * b) {
     const size_t rows = (size_t) s->n_tiles * TILE;
     switch (s->scales) {
@@ -347,7 +520,7 @@ static inline void seg_ab(const struct pi_colmat_seg * s, int64_t row, int64_t j
             break;
         case PI_CM_K:
             *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) s->sc[(size_t) (j / QK) * rows + row];
-            *b = -(ggml_fp16_to_fp32(s->m[(size_t) (j / QK_K) * rows + row]) * (float) s->mins[(size_t) (j / QK) * rows + row]);
+            *b = -(ggml_fp16_to_fp32(s->m[(size_t) (j / QK_K) * rows + row]) * (float) s->mins[min_index(rows, j / QK, row)]);
             break;
         default:  // PI_CM_6K
             *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) (int8_t) s->sc[(size_t) (j / 16) * rows + row];
@@ -361,7 +534,7 @@ void pi_colmat_row(const struct pi_colmat * cm, int64_t r, float * w, float * a,
     while (k + 1 < cm->n_segs && r >= cm->seg[k + 1].row0) ++k;
     const struct pi_colmat_seg * s = &cm->seg[k];
     const int64_t rr = r - s->row0, ti = rr / TILE;
-    const int p = tile_pos((int) (rr % TILE));
+    const int p = row_pos((int) (rr % TILE));
     for (int64_t j = 0; j < cm->n_in; ++j) {
         const uint8_t * rec = cm->q + (size_t) j * cm->col_stride + s->col_off + (size_t) ti * s->rec;
         float aj, bj;
@@ -372,100 +545,89 @@ void pi_colmat_row(const struct pi_colmat * cm, int64_t r, float * w, float * a,
     }
 }
 
-// ---- prepare: kept columns and quantized inputs ------------------------------------------
-//
-// dst: I32 [rec_len(C, T), n_in / C]. Per chunk of C columns:
-//   [0]                   number of groups of 4 kept columns (the union over the batch)
-//   [1, 1 + C)            their column ids, groups of 4; a group's unused slots repeat its first id
-//   [1 + C + g*T + t]     token t's 8-bit inputs of group g, packed into one int32
-//   then float dx[T]      token t's quantization step of this chunk's 32 columns
-//   then float sx[T]      token t's sum of its kept inputs in the chunk
+// The pieces: units (super-blocks or chunks) [unit0(p), unit0(p + 1)) of n_units.
+static inline int64_t n_units_of(const struct pi_colmat * cm) { return cm->n_in / (cm->xblock == QK_K ? QK_K : cm->chunk); }
 
-static inline int64_t rec_len(int64_t C, int64_t T) { return 1 + C + (C / 4) * T + 2 * T; }
+// Scratch of one piece: its partial output y [T][n_pad] (float), the sums acc and t
+// [T][n_pad] (int32); rows of segment k from s->pad0 (each segment padded to whole tiles).
+struct piece_buf {
+    float *   y;
+    int32_t * acc;
+    int32_t * t;
+};
 
-static void prepare_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    struct pi_active_stat * stat = userdata;
-    const struct ggml_tensor * x = dst->src[0];
-    const int64_t n_in = x->ne[0], T = x->ne[1];
-    const int64_t n_chunks = dst->ne[1], C = n_in / n_chunks, R = dst->ne[0];
-    const float tau = stat->threshold;
-    const int64_t c0 = n_chunks * ith / nth, c1 = n_chunks * (ith + 1) / nth;
-    int64_t kept_total = 0;
-    for (int64_t c = c0; c < c1; ++c) {
-        int32_t * rec = (int32_t *) ((char *) dst->data + c * dst->nb[1]);
-        int32_t * cols = rec + 1;
-        int32_t * x4 = rec + 1 + C;
-        float * dx = (float *) (rec + 1 + C + (C / 4) * T);
-        float * sx = dx + T;
-        const int64_t j0 = c * C, u0 = j0 / QK * QK;  // the chunk's columns; its 32-column quantization unit
-        uint32_t keep[PI_COLMAT_MAX_TOKENS];  // bit l: column j0 + l kept for token t
-        uint32_t any = 0;
-        for (int64_t t = 0; t < T; ++t) {
-            const float * xt = (const float *) ((const char *) x->data + t * x->nb[1]);
-            float amax = 0.0f, s = 0.0f;
-            uint32_t k = 0;
-            for (int64_t j = u0; j < u0 + QK; ++j) {
-                const float v = xt[j];
-                if (!(fabsf(v) <= tau)) {  // NaN is kept: it must reach the output
-                    amax = fmaxf(amax, fabsf(v));
-                    if (j >= j0 && j < j0 + C) {
-                        k |= 1u << (j - j0);
-                        s += v;
+// ---- scalar kernels (any CPU; the bits of the SIMD ones) --
+
+static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
+                         struct piece_buf pb) {
+    const int64_t C = cm->chunk, n_pad = cm->n_pad;
+    const bool kmode = cm->xblock == QK_K;
+    const int64_t per = kmode ? QK_K / C : 1;
+    for (int64_t i = 0; i < T * n_pad; ++i) pb.y[i] = 0.0f;
+    for (int64_t u = u0; u < u1; ++u) {
+        for (int64_t i = 0; i < T * n_pad; ++i) pb.t[i] = 0;
+        bool any = false;
+        const float * dx = NULL;
+        const int64_t c0 = u * per;
+        for (int64_t c = c0; c < c0 + per; ++c) {
+            const struct chunk_view v = chunk_at(prep, c, C, T);
+            if (v.n_groups == 0) continue;
+            any = true;
+            dx = v.dx;
+            for (int64_t i = 0; i < T * n_pad; ++i) pb.acc[i] = 0;
+            for (int k = 0; k < cm->n_segs; ++k) {
+                const struct pi_colmat_seg * s = &cm->seg[k];
+                for (int32_t g = 0; g < v.n_groups; ++g) {
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t * col = cm->q + (size_t) v.cols[4 * g + i] * cm->col_stride + s->col_off;
+                        for (int64_t r = 0; r < s->n_rows; ++r) {
+                            const int32_t qv = rec_q(col + (size_t) (r / TILE) * s->rec, s->bits, row_pos((int) (r % TILE)));
+                            for (int64_t t = 0; t < T; ++t) {
+                                pb.acc[t * n_pad + s->pad0 + r] += qv * (int32_t) (int8_t) ((uint32_t) v.x4[g * T + t] >> (8 * i));
+                            }
+                        }
+                    }
+                }
+                const size_t rows = (size_t) s->n_tiles * TILE;
+                const int64_t j = c * C;
+                for (int64_t r = 0; r < s->n_rows; ++r) {
+                    for (int64_t t = 0; t < T; ++t) {
+                        const int32_t acc = pb.acc[t * n_pad + s->pad0 + r];
+                        if (!kmode) {
+                            float a, b;
+                            seg_ab(s, r, j, &a, &b);
+                            float * yp = &pb.y[t * n_pad + s->pad0 + r];
+                            *yp = fmaf(b, v.sx[t], fmaf(a, v.dx[t] * (float) acc, *yp));
+                        } else {
+                            const int32_t sc = s->scales == PI_CM_K ? (int32_t) s->sc[(size_t) (j / QK) * rows + r]
+                                                                    : (int32_t) (int8_t) s->sc[(size_t) (j / 16) * rows + r];
+                            pb.t[t * n_pad + s->pad0 + r] += sc * acc;
+                        }
                     }
                 }
             }
-            dx[t] = amax / 127.0f;
-            sx[t] = isfinite(amax) ? s : NAN;
-            keep[t] = k;
-            any |= k;
-            kept_total += __builtin_popcount(k);
         }
-        int32_t n = 0;
-        for (int l = 0; l < C; ++l) {
-            if (any >> l & 1) cols[n++] = (int32_t) (j0 + l);
-        }
-        const int32_t n_groups = (n + 3) / 4;
-        for (int32_t i = n; i < n_groups * 4; ++i) cols[i] = cols[i & ~3];
-        rec[0] = n_groups;
-        for (int64_t t = 0; t < T; ++t) {
-            const float * xt = (const float *) ((const char *) x->data + t * x->nb[1]);
-            const float id = dx[t] > 0.0f && isfinite(dx[t]) ? 1.0f / dx[t] : 0.0f;
-            for (int32_t g = 0; g < n_groups; ++g) {
-                uint32_t packed = 0;
-                for (int i = 0; i < 4; ++i) {
-                    const int32_t slot = 4 * g + i;
-                    if (slot >= n) break;
-                    const int64_t j = cols[slot];
-                    if (keep[t] >> (j - j0) & 1) {
-                        const float v = xt[j] * id;
-                        const int8_t q8 = isfinite(v) ? (int8_t) roundf(v) : 0;
-                        packed |= (uint32_t) (uint8_t) q8 << (8 * i);
-                    }
-                }
-                x4[g * T + t] = (int32_t) packed;
-            }
-        }
-        (void) R;
-    }
-    __atomic_fetch_add(&stat->n_active, kept_total, __ATOMIC_RELAXED);
-    if (ith == 0) {
-        __atomic_fetch_add(&stat->n_total, n_in * T, __ATOMIC_RELAXED);
-    }
-}
-
-// ---- the product ------------------------------------------------------------------------
-
-// One tile of one segment over one chunk's groups, scalar: acc[t][r] = sum q * x8.
-static void tile_acc_scalar(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int64_t ti, const int32_t * cols,
-                            const int32_t * x4, int32_t n_groups, int64_t T, int32_t (*acc)[TILE]) {
-    for (int64_t t = 0; t < T; ++t) memset(acc[t], 0, sizeof(acc[t]));
-    for (int32_t g = 0; g < n_groups; ++g) {
-        for (int i = 0; i < 4; ++i) {
-            const uint8_t * rec = cm->q + (size_t) cols[4 * g + i] * cm->col_stride + s->col_off + (size_t) ti * s->rec;
-            for (int r = 0; r < TILE; ++r) {
-                const int32_t qv = rec_q(rec, s->bits, tile_pos(r));
+        if (!kmode || !any) continue;
+        for (int k = 0; k < cm->n_segs; ++k) {
+            const struct pi_colmat_seg * s = &cm->seg[k];
+            const size_t rows = (size_t) s->n_tiles * TILE;
+            for (int64_t r = 0; r < s->n_rows; ++r) {
+                const float d = ggml_fp16_to_fp32(s->d[(size_t) u * rows + r]);
                 for (int64_t t = 0; t < T; ++t) {
-                    acc[t][r] += qv * (int32_t) (int8_t) ((uint32_t) x4[g * T + t] >> (8 * i));
+                    int32_t off = 0;  // the offsets' share: sum over the super-block's chunks of m * s8 or 32 * sc * s8
+                    for (int64_t c = c0; c < c0 + per; ++c) {
+                        const int32_t s8 = chunk_at(prep, c, C, T).s8[t];
+                        off += s->scales == PI_CM_K ? (int32_t) s->mins[min_index(rows, c * C / QK, r)] * s8
+                                                    : 32 * (int32_t) (int8_t) s->sc[(size_t) (c * C / 16) * rows + r] * s8;
+                    }
+                    float * yp = &pb.y[t * n_pad + s->pad0 + r];
+                    if (s->scales == PI_CM_K) {
+                        const float dm = ggml_fp16_to_fp32(s->m[(size_t) u * rows + r]);
+                        float yv = fmaf((float) pb.t[t * n_pad + s->pad0 + r], d * dx[t], *yp);
+                        *yp = fmaf(-(float) off, dm * dx[t], yv);
+                    } else {
+                        *yp = fmaf((float) (pb.t[t * n_pad + s->pad0 + r] - off), d * dx[t], *yp);
+                    }
                 }
             }
         }
@@ -473,198 +635,377 @@ static void tile_acc_scalar(const struct pi_colmat * cm, const struct pi_colmat_
 }
 
 #ifdef PI_CM_VNNI
-// 64 q of one column's tile as bytes, position order.
-static inline __m512i tile_u8(const uint8_t * rec, int bits) {
-    if (bits == 8) {
-        return _mm512_loadu_si512(rec);
+// ---- AVX-512 VNNI kernels --
+
+// 64 q of one half (h) of one column's tile as bytes, in position order. BITS is a constant.
+static inline __attribute__((always_inline)) __m512i half_u8(const uint8_t * rec, const int BITS, const int h) {
+    if (BITS == 8) {
+        return _mm512_loadu_si512(rec + 64 * h);
     }
-    const __m256i v  = _mm256_loadu_si256((const __m256i *) rec);
-    const __m256i mk = _mm256_set1_epi8(0x0F);
-    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mk)),
-                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), mk), 1);
-    if (bits >= 5) {
-        uint64_t m;
-        memcpy(&m, rec + 32, 8);
-        u = _mm512_mask_add_epi8(u, _cvtu64_mask64(m), u, _mm512_set1_epi8(16));
-    }
-    if (bits == 6) {
-        uint64_t m;
-        memcpy(&m, rec + 40, 8);
-        u = _mm512_mask_add_epi8(u, _cvtu64_mask64(m), u, _mm512_set1_epi8(32));
-    }
+    const __m512i v = _mm512_loadu_si512(rec);
+    __m512i u = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    if (BITS >= 5) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (rec + 64 + 8 * h)), u, _mm512_set1_epi8(16));
+    if (BITS >= 6) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (rec + 80 + 8 * h)), u, _mm512_set1_epi8(32));
     return u;
 }
 
-// acc[t][m] (rows 16m .. 16m+15 of the tile) += the tile's q of each group's 4 columns times
-// token t's 4 inputs; tokens [tb, tb + nt), nt <= 4. bits is a constant in each caller.
-static inline void tile_acc_vnni(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int bits, int64_t ti,
-                                 const int32_t * cols, const int32_t * x4, int32_t n_groups, int64_t T, int64_t tb, int nt,
-                                 __m512i acc[4][4]) {
-    const size_t off = s->col_off + (size_t) ti * s->rec;
-    for (int t = 0; t < 4; ++t) {
-        for (int m = 0; m < 4; ++m) acc[t][m] = _mm512_setzero_si512();
-    }
-    for (int32_t g = 0; g < n_groups; ++g) {
-        const uint8_t * p0 = cm->q + (size_t) cols[4 * g + 0] * cm->col_stride + off;
-        const uint8_t * p1 = cm->q + (size_t) cols[4 * g + 1] * cm->col_stride + off;
-        const uint8_t * p2 = cm->q + (size_t) cols[4 * g + 2] * cm->col_stride + off;
-        const uint8_t * p3 = cm->q + (size_t) cols[4 * g + 3] * cm->col_stride + off;
-        // The same columns' next tiles, a few lines ahead (the rows of a thread are contiguous).
-        _mm_prefetch((const char *) p0 + 8 * s->rec, _MM_HINT_T0);
-        _mm_prefetch((const char *) p1 + 8 * s->rec, _MM_HINT_T0);
-        _mm_prefetch((const char *) p2 + 8 * s->rec, _MM_HINT_T0);
-        _mm_prefetch((const char *) p3 + 8 * s->rec, _MM_HINT_T0);
-        const __m512i u0 = tile_u8(p0, bits), u1 = tile_u8(p1, bits), u2 = tile_u8(p2, bits), u3 = tile_u8(p3, bits);
-        const __m512i a0 = _mm512_unpacklo_epi8(u0, u1), a1 = _mm512_unpackhi_epi8(u0, u1);
-        const __m512i b0 = _mm512_unpacklo_epi8(u2, u3), b1 = _mm512_unpackhi_epi8(u2, u3);
-        const __m512i w0 = _mm512_unpacklo_epi16(a0, b0), w1 = _mm512_unpackhi_epi16(a0, b0);
-        const __m512i w2 = _mm512_unpacklo_epi16(a1, b1), w3 = _mm512_unpackhi_epi16(a1, b1);
-        for (int t = 0; t < nt; ++t) {
-            const __m512i xv = _mm512_set1_epi32(x4[g * T + tb + t]);
-            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
-            acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
-            acc[t][2] = _mm512_dpbusd_epi32(acc[t][2], w2, xv);
-            acc[t][3] = _mm512_dpbusd_epi32(acc[t][3], w3, xv);
-        }
-    }
+// The q of one half (64 rows) of 4 columns interleaved for vpdpbusd: w[m] lane i holds the 4
+// columns' q of row 16m + i.
+static inline __attribute__((always_inline)) void half_w(const uint8_t * const * p, size_t off, const int BITS, const int h,
+                                                         __m512i * w) {
+    const __m512i u0 = half_u8(p[0] + off, BITS, h), u1 = half_u8(p[1] + off, BITS, h);
+    const __m512i u2 = half_u8(p[2] + off, BITS, h), u3 = half_u8(p[3] + off, BITS, h);
+    const __m512i a0 = _mm512_unpacklo_epi8(u0, u1), a1 = _mm512_unpackhi_epi8(u0, u1);
+    const __m512i b0 = _mm512_unpacklo_epi8(u2, u3), b1 = _mm512_unpackhi_epi8(u2, u3);
+    w[0] = _mm512_unpacklo_epi16(a0, b0);
+    w[1] = _mm512_unpackhi_epi16(a0, b0);
+    w[2] = _mm512_unpacklo_epi16(a1, b1);
+    w[3] = _mm512_unpackhi_epi16(a1, b1);
 }
 
-// (a, b) of 16 rows [row, row + 16) of a segment for column j.
-static inline void seg_ab16(const struct pi_colmat_seg * s, int64_t row, int64_t j, __m512 * a, __m512 * b) {
-    const size_t rows = (size_t) s->n_tiles * TILE;
-    switch (s->scales) {
-        case PI_CM_D:
-            *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK) * rows + row)));
-            *b = _mm512_mul_ps(_mm512_set1_ps(-(float) s->offset), *a);
-            break;
-        case PI_CM_DM:
-            *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK) * rows + row)));
-            *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) (j / QK) * rows + row)));
-            break;
-        case PI_CM_K: {
-            const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + row)));
-            const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) (j / QK_K) * rows + row)));
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / QK) * rows + row))));
-            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (s->mins + (size_t) (j / QK) * rows + row))));
-            *a = _mm512_mul_ps(d, sc);
-            *b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, mn));
-            break;
+// acc (+)= the q of NG (1 or 2) groups of 4 columns times each token's 4 inputs per group,
+// over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
+// (nothing is read). pf: 4 * NG columns (the next pass's) whose lines are brought into L2
+// along the way, or NULL (a column's run of a segment can be short: down's 768 bytes).
+//
+// fold (xblock 256, the chunk's last pass; j its first column): instead of storing acc, adds
+// sc * acc into t (t_first: t starts from 0), sc the segment's scale of column j per row;
+// for Q6_K sc * (acc - 32 * s8), its offset (s8: the tokens' sums of the chunk's inputs).
+static inline __attribute__((always_inline)) void groups_seg(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
+                                                             const int BITS, const int NG, const int32_t * cols,
+                                                             const int32_t * x4, int64_t T, int32_t * acc, bool first,
+                                                             const int32_t * pf, int npf, const bool fold, int64_t j,
+                                                             int32_t * tsum, bool t_first, const int32_t * s8) {
+    const bool six = s->scales == PI_CM_6K;
+    const uint8_t * scp = fold ? s->sc + (size_t) (six ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE) : NULL;
+    const int64_t n_pad = cm->n_pad;
+    const uint8_t * p[8], * q[8];
+    for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
+    for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = NG > 1 ? _mm512_set1_epi32(x4[T]) : z;  // token 0's
+    for (int64_t ti = 0; ti < s->n_tiles; ++ti) {
+        const size_t off = (size_t) ti * s->rec;
+        for (int i = 0; i < npf; ++i) {
+            _mm_prefetch((const char *) q[i] + off, _MM_HINT_T1);
+            if (s->rec > 64) _mm_prefetch((const char *) q[i] + off + s->rec - 1, _MM_HINT_T1);
         }
-        default: {  // PI_CM_6K
-            const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + row)));
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / 16) * rows + row))));
-            *a = _mm512_mul_ps(d, sc);
-            *b = _mm512_mul_ps(_mm512_set1_ps(-(float) s->offset), *a);
-            break;
-        }
-    }
-}
-
-static void seg_tiles_vnni(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int bits, int64_t ta, int64_t tz,
-                           const struct ggml_tensor * prep, int64_t T, float * y, int64_t ldy) {
-    const int64_t C = cm->chunk, n_chunks = prep->ne[1];
-    for (int64_t c = 0; c < n_chunks; ++c) {
-        const int32_t * rec = (const int32_t *) ((const char *) prep->data + c * prep->nb[1]);
-        const int32_t n_groups = rec[0];
-        if (n_groups == 0) continue;
-        const int32_t * cols = rec + 1;
-        const int32_t * x4 = rec + 1 + C;
-        const float * dx = (const float *) (rec + 1 + C + (C / 4) * T);
-        const float * sx = dx + T;
-        for (int64_t ti = ta; ti < tz; ++ti) {
-            for (int64_t tb = 0; tb < T; tb += 4) {
-                const int nt = (int) (T - tb < 4 ? T - tb : 4);
-                __m512i acc[4][4];
-                tile_acc_vnni(cm, s, bits, ti, cols, x4, n_groups, T, tb, nt, acc);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t r = ti * TILE + h * HALF;
+            if (r >= s->n_rows) break;
+            __m512i w[2][4];
+            half_w(p, off, BITS, h, w[0]);
+            if (NG > 1) half_w(p + 4, off, BITS, h, w[1]);
+            for (int64_t t = 0; t < T; ++t) {
+                const __m512i xa = t == 0 ? x0 : _mm512_set1_epi32(x4[t]);
+                const __m512i xb = NG > 1 ? (t == 0 ? x1 : _mm512_set1_epi32(x4[T + t])) : z;
+                int32_t * a = acc + t * n_pad + s->pad0 + r;
                 for (int m = 0; m < 4; ++m) {
-                    const int64_t row = ti * TILE + 16 * m;
-                    if (row >= s->n_rows) break;
-                    __m512 a, b;
-                    seg_ab16(s, row, c * C, &a, &b);
-                    for (int t = 0; t < nt; ++t) {
-                        float * yp = y + (tb + t) * ldy + s->row0 + row;
-                        const __m512 v = _mm512_mul_ps(_mm512_set1_ps(dx[tb + t]), _mm512_cvtepi32_ps(acc[t][m]));
-                        __m512 yv = _mm512_fmadd_ps(a, v, _mm512_loadu_ps(yp));
-                        yv = _mm512_fmadd_ps(b, _mm512_set1_ps(sx[tb + t]), yv);
-                        _mm512_storeu_ps(yp, yv);
+                    __m512i v = _mm512_dpbusd_epi32(first ? z : _mm512_loadu_si512(a + 16 * m), w[0][m], xa);
+                    if (NG > 1) v = _mm512_dpbusd_epi32(v, w[1][m], xb);
+                    if (!fold) {
+                        _mm512_storeu_si512(a + 16 * m, v);
+                        continue;
                     }
+                    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r + 16 * m));
+                    if (six) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * s8[t]));
+                    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), v);
+                    int32_t * tp = tsum + t * n_pad + s->pad0 + r + 16 * m;
+                    _mm512_storeu_si512(tp, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tp), pv));
                 }
             }
         }
     }
+}
+
+// One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]).
+static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
+                        int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
+                        bool t_first, const int32_t * s8) {
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+#define PI_CM_CASE(B) \
+        if (fold) { \
+            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8); \
+            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8); \
+        } else { \
+            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL); \
+            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL); \
+        }
+        switch (s->bits) {
+            case 4:  PI_CM_CASE(4); break;
+            case 5:  PI_CM_CASE(5); break;
+            case 6:  PI_CM_CASE(6); break;
+            default: PI_CM_CASE(8); break;
+        }
+#undef PI_CM_CASE
+    }
+}
+
+// xblock 32: y (+)= a * (dx * acc) + b * sx over every segment's rows (first: from 0).
+static void fold_float(const struct pi_colmat * cm, const struct chunk_view * v, int64_t j, int64_t T, struct piece_buf pb,
+                       bool first) {
+    const int64_t n_pad = cm->n_pad;
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        for (int64_t r = 0; r < s->n_rows; r += 16) {
+            __m512 a, b;
+            switch (s->scales) {
+                case PI_CM_D:
+                    a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK) * rows + r)));
+                    b = _mm512_mul_ps(_mm512_set1_ps(-(float) s->offset), a);
+                    break;
+                case PI_CM_DM:
+                    a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK) * rows + r)));
+                    b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) (j / QK) * rows + r)));
+                    break;
+                case PI_CM_K: {
+                    const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + r)));
+                    const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) (j / QK_K) * rows + r)));
+                    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / QK) * rows + r)))));
+                    uint8_t mn[16];  // a K-quant beside 32-block types (rare): its minimums gathered
+                    for (int i = 0; i < 16; ++i) mn[i] = s->mins[min_index(rows, j / QK, r + i)];
+                    b = _mm512_sub_ps(_mm512_setzero_ps(),
+                                      _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) mn)))));
+                    break;
+                }
+                default: {  // PI_CM_6K
+                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + r)));
+                    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / 16) * rows + r)))));
+                    b = _mm512_mul_ps(_mm512_set1_ps(-(float) s->offset), a);
+                    break;
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const __m512 x = _mm512_mul_ps(_mm512_set1_ps(v->dx[t]), _mm512_cvtepi32_ps(_mm512_loadu_si512(pb.acc + i)));
+                __m512 yv = _mm512_fmadd_ps(a, x, first ? _mm512_setzero_ps() : _mm512_loadu_ps(pb.y + i));
+                _mm512_storeu_ps(pb.y + i, _mm512_fmadd_ps(b, _mm512_set1_ps(v->sx[t]), yv));
+            }
+        }
+    }
+}
+
+// xblock 256, at a super-block's end: y (+)= d * dx * t (Q6_K: t holds its offsets already),
+// and for Q4_K / Q5_K - dmin * dx * sum over sub-blocks s of m_s * S_s, S_s the sum of the
+// tokens' 8-bit inputs in s. That sum is two vpdpbusd per 8 rows: S = l + 128 h with
+// l = S & 127 and h = S >> 7 (|S| <= 32 * 127 = 4064, so h fits a signed byte), against a
+// row's 8 minimums stored together.
+static void fold_superblock(const struct pi_colmat * cm, const struct prep_view * prep, int64_t u, int64_t T,
+                            const float * dx, struct piece_buf pb, bool first) {
+    const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
+    __m512i lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes, lanes alternating 0-3 / 4-7
+    bool any_min = false;
+    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    for (int64_t t = 0; t < T && any_min; ++t) {
+        int32_t S[8] = { 0 };
+        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
+        uint64_t l = 0, h = 0;
+        for (int i = 0; i < 8; ++i) {
+            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
+            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
+        }
+        lo[t] = _mm512_set1_epi64((long long) l);
+        hi[t] = _mm512_set1_epi64((long long) h);
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd  = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        const bool mins = s->scales == PI_CM_K;
+        for (int64_t r = 0; r < s->n_rows; r += 16) {
+            const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) u * rows + r)));
+            const __m512 dm = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) u * rows + r)))
+                                   : _mm512_setzero_ps();
+            __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+            if (mins) {
+                m0 = _mm512_loadu_si512(s->mins + min_index(rows, u * 8, r));      // rows r .. r + 7
+                m1 = _mm512_loadu_si512(s->mins + min_index(rows, u * 8, r + 8));  // rows r + 8 .. r + 15
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const __m512 dxt = _mm512_set1_ps(dx[t]);
+                const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(pb.y + i);
+                __m512 yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(pb.t + i)), _mm512_mul_ps(d, dxt), y0);
+                if (mins) {
+                    const __m512i z = _mm512_setzero_si512();
+                    // per lane: half a row's sum; lanes 2i, 2i+1 are row i's (of 8 in m0, then m1)
+                    const __m512i a0 = _mm512_add_epi32(_mm512_dpbusd_epi32(z, m0, lo[t]), _mm512_slli_epi32(_mm512_dpbusd_epi32(z, m0, hi[t]), 7));
+                    const __m512i a1 = _mm512_add_epi32(_mm512_dpbusd_epi32(z, m1, lo[t]), _mm512_slli_epi32(_mm512_dpbusd_epi32(z, m1, hi[t]), 7));
+                    const __m512i off = _mm512_add_epi32(_mm512_permutex2var_epi32(a0, even, a1), _mm512_permutex2var_epi32(a0, odd, a1));
+                    yv = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(dm, dxt), yv);
+                }
+                _mm512_storeu_ps(pb.y + i, yv);
+            }
+        }
+    }
+}
+
+// Passes further ahead whose columns a pass brings into L2: a column's run of a segment can
+// be short (down: 768 bytes of Q4_K), and one pass ahead left the loads waiting on memory.
+#define PI_CM_PREFETCH_PASSES 2
+
+static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
+                       struct piece_buf pb) {
+    const int64_t C = cm->chunk;
+    const bool kmode = cm->xblock == QK_K;
+    const int64_t per = kmode ? QK_K / C : 1;
+    // The piece's passes, in order: chunk, first group, groups (1 or 2); groups in pairs, one
+    // pass over acc for 8 columns (with xblock 256 the chunk's last pass folds into t).
+    struct pass { int32_t c, g, ng; } passes[1024];
+    int32_t n_passes = 0;
+    for (int64_t c = u0 * per; c < u1 * per && n_passes < 1024 - 1; ++c) {
+        const int32_t ng = chunk_at(prep, c, C, T).n_groups;
+        for (int32_t g = 0; g < ng && n_passes < 1024; g += 2) passes[n_passes++] = (struct pass) { (int32_t) c, g, ng - g >= 2 ? 2 : 1 };
+    }
+    bool written = false;    // pb.y holds something
+    bool t_written = false;  // pb.t holds this super-block's sums
+    const float * dx = NULL;
+    for (int32_t i = 0; i < n_passes; ++i) {
+        const struct pass ps = passes[i];
+        const struct chunk_view v = chunk_at(prep, ps.c, C, T);
+        const int32_t ahead = i + PI_CM_PREFETCH_PASSES;
+        const int32_t * pf = NULL;
+        int npf = 0;
+        if (ahead < n_passes) {
+            pf = chunk_at(prep, passes[ahead].c, C, T).cols + 4 * passes[ahead].g;
+            npf = 4 * passes[ahead].ng;
+        }
+        const bool last = ps.g + 2 >= v.n_groups;
+        dx = v.dx;
+        groups_pass(cm, v.cols + 4 * ps.g, v.x4 + ps.g * T, ps.ng, T, pb.acc, ps.g == 0, pf, npf, kmode && last, ps.c * C,
+                    pb.t, !t_written, v.s8);
+        if (!last) continue;
+        if (!kmode) {
+            fold_float(cm, &v, ps.c * C, T, pb, !written);
+            written = true;
+            continue;
+        }
+        t_written = true;
+        const int64_t u = ps.c / per;
+        if (i + 1 == n_passes || passes[i + 1].c / per != u) {  // the super-block's last chunk with columns
+            fold_superblock(cm, prep, u, T, dx, pb, !written);
+            written = true;
+            t_written = false;
+        }
+    }
+    if (!written) memset(pb.y, 0, sizeof(float) * (size_t) (T * cm->n_pad));
 }
 #endif
-
-static void seg_tiles_scalar(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int64_t ta, int64_t tz,
-                             const struct ggml_tensor * prep, int64_t T, float * y, int64_t ldy) {
-    const int64_t C = cm->chunk, n_chunks = prep->ne[1];
-    int32_t acc[PI_COLMAT_MAX_TOKENS][TILE];
-    for (int64_t c = 0; c < n_chunks; ++c) {
-        const int32_t * rec = (const int32_t *) ((const char *) prep->data + c * prep->nb[1]);
-        const int32_t n_groups = rec[0];
-        if (n_groups == 0) continue;
-        const int32_t * x4 = rec + 1 + C;
-        const float * dx = (const float *) (rec + 1 + C + (C / 4) * T);
-        const float * sx = dx + T;
-        for (int64_t ti = ta; ti < tz; ++ti) {
-            tile_acc_scalar(cm, s, ti, rec + 1, x4, n_groups, T, acc);
-            for (int r = 0; r < TILE && ti * TILE + r < s->n_rows; ++r) {
-                const int64_t row = ti * TILE + r;
-                float a, b;
-                seg_ab(s, row, c * C, &a, &b);
-                for (int64_t t = 0; t < T; ++t) {
-                    float * yp = y + t * ldy + s->row0 + row;
-                    *yp = fmaf(b, sx[t], fmaf(a, dx[t] * (float) acc[t][r], *yp));
-                }
-            }
-        }
-    }
-}
 
 // Forces the scalar kernels (tests compare the two).
 static bool g_force_scalar = false;
 void pi_colmat_force_scalar(bool on) { g_force_scalar = on; }
 
-static void product_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const struct pi_colmat * cm = userdata;
-    const struct ggml_tensor * prep = dst->src[0];
-    const int64_t T = dst->ne[1], ldy = dst->nb[1] / sizeof(float);
-    float * y = (float *) dst->data;
-    // Tiles of all segments in order; this thread's share.
-    int64_t n_tiles = 0;
-    for (int k = 0; k < cm->n_segs; ++k) n_tiles += cm->seg[k].n_tiles;
-    const int64_t g0 = n_tiles * ith / nth, g1 = n_tiles * (ith + 1) / nth;
-    int64_t base = 0;
-    for (int k = 0; k < cm->n_segs; ++k) {
-        const struct pi_colmat_seg * s = &cm->seg[k];
-        const int64_t ta = (g0 > base ? g0 : base) - base, tz = (g1 < base + s->n_tiles ? g1 : base + s->n_tiles) - base;
-        base += s->n_tiles;
-        if (ta >= tz) continue;
-        const int64_t r0 = ta * TILE, r1 = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
-        for (int64_t t = 0; t < T; ++t) memset(y + t * ldy + s->row0 + r0, 0, sizeof(float) * (size_t) (r1 - r0));
-#ifdef PI_CM_VNNI
-        if (!g_force_scalar) {
-            switch (s->bits) {
-                case 4: seg_tiles_vnni(cm, s, 4, ta, tz, prep, T, y, ldy); break;
-                case 5: seg_tiles_vnni(cm, s, 5, ta, tz, prep, T, y, ldy); break;
-                case 6: seg_tiles_vnni(cm, s, 6, ta, tz, prep, T, y, ldy); break;
-                default: seg_tiles_vnni(cm, s, 8, ta, tz, prep, T, y, ldy); break;
-            }
-            continue;
-        }
+static inline void cpu_relax(void) {
+#if defined(__SSE2__)
+    _mm_pause();
 #endif
-        seg_tiles_scalar(cm, s, ta, tz, prep, T, y, ldy);
+}
+
+// All nth threads of the op meet here (the op runs on every thread of ggml's pool). The
+// counters live in the op and are never reset: a generation count tells rounds apart.
+static void op_barrier(struct pi_input_op * op, int nth) {
+    if (nth <= 1) {
+        return;
+    }
+    const int32_t gen = __atomic_load_n(&op->sync[1], __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&op->sync[0], 1, __ATOMIC_ACQ_REL) == nth) {
+        __atomic_store_n(&op->sync[0], 0, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&op->sync[1], 1, __ATOMIC_RELEASE);
+    } else {
+        while (__atomic_load_n(&op->sync[1], __ATOMIC_ACQUIRE) == gen) cpu_relax();
     }
 }
 
-struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, const struct pi_colmat * cm,
-                                            struct ggml_tensor * x, struct pi_active_stat * stat) {
+// The pieces: a function of the shape alone (never of the batch or the threads), so that
+// the sums, and their rounding, are the same however the work is shared.
+static int64_t n_pieces_of(const struct pi_colmat * cm) {
+    const int64_t n = n_units_of(cm);
+    return n < PI_CM_PIECES ? n : PI_CM_PIECES;
+}
+
+// The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per piece
+// its partial output [T][n_pad]; per thread that claims pieces (slots) its two int32
+// scratch planes [T][n_pad]. Each part 64-byte aligned.
+struct op_layout {
+    size_t  prep, parts, scratch, total;
+    int64_t slots;
+};
+
+static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads) {
+    const size_t align = 16, plane = (size_t) (cm->n_pad * T);
+    struct op_layout L;
+    L.slots   = n_threads < n_pieces_of(cm) ? n_threads : n_pieces_of(cm);
+    L.prep    = ((size_t) (cm->n_out * T) + align - 1) / align * align;
+    L.parts   = L.prep + ((size_t) (cm->n_in / cm->chunk * rec_len(cm->chunk, T)) + align - 1) / align * align;
+    L.scratch = L.parts + (size_t) n_pieces_of(cm) * plane;
+    L.total   = L.scratch + 2 * (size_t) L.slots * plane;
+    return L;
+}
+
+// prepare (threads by quantization blocks) | the pieces (claimed) | the sum of the pieces'
+// partials (threads by rows), with two barriers: one graph node.
+static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    struct pi_input_op * op = userdata;
+    const struct pi_colmat * cm = op->cm;
+    const struct ggml_tensor * x = dst->src[0];
+    const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = n_pieces_of(cm), n_pad = cm->n_pad;
+    const struct op_layout L = layout_of(cm, T, op->n_threads);
+    float * y = (float *) dst->data;
+    const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
+    float * parts = (float *) dst->data + L.parts;
+
+    const int64_t n_blocks = cm->n_in / cm->xblock;
+    const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, n_blocks * ith / nth, n_blocks * (ith + 1) / nth);
+    __atomic_fetch_add(&op->stat->n_active, kept, __ATOMIC_RELAXED);
+    if (ith == 0) {
+        __atomic_fetch_add(&op->stat->n_total, cm->n_in * T, __ATOMIC_RELAXED);
+        __atomic_store_n(&op->sync[2], 0, __ATOMIC_RELAXED);  // the piece counter
+    }
+    op_barrier(op, nth);
+
+    // threads beyond the scratch slots (more than the graph was built for) claim no pieces
+    int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
+    for (; ith < L.slots;) {
+        const int64_t p = __atomic_fetch_add(&op->sync[2], 1, __ATOMIC_RELAXED);
+        if (p >= n_pieces) break;
+        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T };
+        const int64_t u0 = n_units * p / n_pieces, u1 = n_units * (p + 1) / n_pieces;
+#ifdef PI_CM_VNNI
+        if (!g_force_scalar) {
+            piece_vnni(cm, &pv, T, u0, u1, pb);
+            continue;
+        }
+#endif
+        piece_scalar(cm, &pv, T, u0, u1, pb);
+    }
+    op_barrier(op, nth);
+
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const int64_t r0 = s->n_rows * ith / nth, r1 = s->n_rows * (ith + 1) / nth;
+        for (int64_t t = 0; t < T; ++t) {
+            float * yt = y + t * cm->n_out + s->row0;
+            for (int64_t r = r0; r < r1; ++r) {
+                float sum = 0.0f;
+                for (int64_t p = 0; p < n_pieces; ++p) sum += parts[(size_t) p * (size_t) (n_pad * T) + t * n_pad + s->pad0 + r];
+                yt[r] = sum;
+            }
+        }
+    }
+}
+
+struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x) {
+    const struct pi_colmat * cm = op->cm;
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->ne[0] == cm->n_in && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= PI_COLMAT_MAX_TOKENS);
-    const int64_t C = cm->chunk;
+    const int64_t T = x->ne[1];
     struct ggml_tensor * xa[1] = { x };
-    struct ggml_tensor * prep = ggml_custom_4d(ctx, GGML_TYPE_I32, rec_len(C, x->ne[1]), cm->n_in / C, 1, 1, xa, 1, prepare_op,
-                                               GGML_N_TASKS_MAX, stat);
-    struct ggml_tensor * pa[1] = { prep };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, cm->n_out, x->ne[1], 1, 1, pa, 1, product_op, GGML_N_TASKS_MAX, (void *) cm);
+    GGML_ASSERT(op->n_threads >= 1);
+    struct ggml_tensor * all = ggml_custom_4d(ctx, GGML_TYPE_F32, (int64_t) layout_of(cm, T, op->n_threads).total, 1, 1, 1, xa,
+                                              1, input_op, GGML_N_TASKS_MAX, op);
+    return ggml_view_2d(ctx, all, cm->n_out, T, (size_t) cm->n_out * sizeof(float), 0);
 }

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #define PI_COLMAT_MAX_SEGS 3   // matrices in one group (q, k, v)
-#define PI_COLMAT_TILE     64  // rows per tile; a segment's rows are padded to whole tiles
+#define PI_COLMAT_TILE     128 // rows per tile; a segment's rows are padded to whole tiles
 #define PI_COLMAT_MAX_TOKENS 32 // the largest batch the operator takes
 
 // How a segment's scales turn into (a, b).
@@ -38,6 +38,7 @@ struct pi_colmat_seg {
     int32_t                unit;     // columns per (a, b): 16 or 32
     int32_t                offset;   // PI_CM_D / PI_CM_6K: b = -offset * a
     int64_t                row0;     // first row in the group's output
+    int64_t                pad0;     // first row in the operator's scratch (segments padded to tiles)
     int64_t                n_rows;   // rows of the matrix
     int64_t                n_tiles;  // n_rows padded to PI_COLMAT_TILE, in tiles
     size_t                 col_off;  // byte offset of this segment's part of a column
@@ -52,7 +53,10 @@ struct pi_colmat_seg {
 struct pi_colmat {
     int64_t n_in;        // columns (the input's length)
     int64_t n_out;       // rows of all segments
+    int64_t n_pad;       // rows of all segments, each padded to whole tiles
     int32_t chunk;       // columns per chunk: the smallest unit of the segments (16 or 32)
+    int32_t xblock;      // columns per quantization step of the input: 256 when every segment is a
+                         // K-quant (the sums then fold in integers per super-block), else 32
     int32_t n_segs;
     size_t  col_stride;  // bytes of one column (every segment), a multiple of 64
     const uint8_t * q;   // [n_in][col_stride]
@@ -82,11 +86,19 @@ void pi_colmat_row(const struct pi_colmat * cm, int64_t r, float * w, float * a,
 // Runs the product's scalar kernels even where SIMD ones exist (tests compare the two).
 void pi_colmat_force_scalar(bool on);
 
+// One input-sparse product's matrices and counters; must outlive the graphs that use it.
+struct pi_input_op {
+    const struct pi_colmat * cm;
+    struct pi_active_stat *  stat;  // threshold, and the kept / considered counters
+    int32_t                  n_threads; // the most threads a graph will run the operator with (its scratch per thread)
+    int32_t                  sync[3]; // the operator's own: barrier count and generation, piece counter (start at 0)
+};
+
 // The input-sparse product. x: F32 [n_in, T], T <= PI_COLMAT_MAX_TOKENS. Entry j of token t
-// is kept when |x[j, t]| > stat->threshold; a batch reads the union of its tokens' kept
+// is kept when |x[j, t]| > op->stat->threshold; a batch reads the union of its tokens' kept
 // columns, and each token uses only its own entries, so its result is the one it gets
-// alone. Kept entries are quantized to 8 bits per 32 (as ggml's Q8_0). Result: F32
-// [n_out, T], y[:, t] = W x_t over the kept entries. stat->n_active / n_total count kept
-// and considered entries per token. cm and stat must outlive the graph.
-struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, const struct pi_colmat * cm,
-                                            struct ggml_tensor * x, struct pi_active_stat * stat);
+// alone. Kept entries are quantized to 8 bits per cm->xblock columns (as ggml's Q8_K for
+// K-quants, Q8_0 else). Result: F32 [n_out, T], y[:, t] = W x_t over the kept entries.
+// stat->n_active / n_total count kept and considered entries per token.
+// One graph node (a view of it), run by every thread of the pool.
+struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x);

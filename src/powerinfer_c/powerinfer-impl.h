@@ -406,6 +406,7 @@ struct pi_graph_params {
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
     struct pi_active_stat * inputs; // per layer and input: input mode's thresholds and counters (and calibration histograms)
+    struct pi_input_op * input_ops; // per layer and input: input mode's column copies with those counters
     bool    capture;    // keep every layer's FFN input and activation (dense FFN path)
     bool    first_token; // the chunk holds a sequence's position 0: every FFN neuron (see build_ffn)
     const uint8_t * down_matmul;  // [n_layer] or NULL: single-token dense down through the matmul (build_down)
@@ -444,6 +445,7 @@ struct powerinfer_context {
     struct powerinfer_timings timings;
     struct pi_active_stat *   sparse;          // per layer
     struct pi_active_stat *   inputs;          // input mode: per layer and input ([il * POWERINFER_INPUT_COUNT + i])
+    struct pi_input_op *      input_ops;       // the same index: the layer's column copy and those counters
 
     // FFN capture for the profiler (powerinfer_set_ffn_capture): host copies of the
     // last chunk's per-layer tensors.

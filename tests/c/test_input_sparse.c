@@ -34,7 +34,8 @@ static void run(const struct pi_colmat * cm, const float * x, int64_t T, int n_t
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, cm->n_in, T);
     memcpy(tx->data, x, ggml_nbytes(tx));
-    struct ggml_tensor * y = pi_input_sparse_matmul(ctx, cm, tx, stat);
+    struct pi_input_op op = { cm, stat, n_threads, { 0 } };
+    struct ggml_tensor * y = pi_input_sparse_matmul(ctx, &op, tx);
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
     ggml_graph_compute_with_ctx(ctx, gf, n_threads);
