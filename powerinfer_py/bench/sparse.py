@@ -3,6 +3,8 @@ same threads: decode in each sparse mode, prompt processing, and peak memory.
 
     python -m powerinfer_py.bench sparse [--dense PATH --powerinfer PATH] [--threads 2]
                                          [--n-gen 64] [--prompts 64,512] [--modes dense,gate,predictor]
+    python -m powerinfer_py.bench sparse --model MODEL.gguf [--sparsities 0,0.25,0.4,0.5] ...
+                                         input sparsity on any GGUF (bench/input_sparse.py)
 
 Defaults to the 7B-shaped synthetic pair (python -m powerinfer_py.assets.synthetic --preset 7b
 --out ~/.cache/powerinfer-py/synthetic). llama-cpp-python runs the standard GGUF; our
@@ -164,6 +166,10 @@ def peak_rss(engine: str, path: str, mode: Optional[str], threads: int, n_prompt
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is not None and "--model" in argv or argv is None and "--model" in sys.argv[1:]:
+        from . import input_sparse  # input sparsity on any GGUF (powerinfer sparsify)
+
+        return input_sparse.main(argv)
     p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench sparse", description=__doc__.split("\n\n")[0])
     add_pair_arguments(p, "standard GGUF (llama-cpp-python)", "its PowerInfer twin (our engine, every mode)")
     p.set_defaults(n_gen=64)

@@ -195,16 +195,23 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
              n_tokens: int = 8192, allocation: str = "greedy", threads: int = 2, progress: bool = True) -> Dict:
     if not os.path.isfile(model_path):
         raise PipelineError(f"model {model_path}: no such file")
-    with Model(model_path, vocab_only=True) as m:
-        arch = m.arch()
+    reader = open_gguf(model_path)
+    arch = str(reader.get_field("general.architecture").contents())
+    block_count = reader.get_field(f"{arch}.block_count")
+    if block_count is None:
+        raise PipelineError(f"{model_path}: no {arch}.block_count (not a model this engine runs)")
+    n_layer = int(block_count.contents())
     t0 = time.time()
-    texts = calibration_texts(corpus, samples, model_path, threads)
-    counts, lo, hi, used = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
-    n_layer = counts.shape[0]
     nbytes = input_bytes(model_path, n_layer)
-    s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
-    taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) for i in range(len(INPUTS))] for il in range(n_layer)],
-                    dtype=np.float32)
+    if sparsity == 0.0:  # nothing to calibrate: every nonzero entry is kept
+        used, s = 0, np.zeros((n_layer, len(INPUTS)))
+        taus = np.zeros((n_layer, len(INPUTS)), dtype=np.float32)
+    else:
+        texts = calibration_texts(corpus, samples, model_path, threads)
+        counts, lo, hi, used = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
+        s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
+        taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) for i in range(len(INPUTS))] for il in range(n_layer)],
+                        dtype=np.float32)
     write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
     return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
             "seconds": time.time() - t0}

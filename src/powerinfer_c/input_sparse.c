@@ -125,11 +125,14 @@ static void decode_q32(enum ggml_type type, const void * row, int64_t b, uint8_t
 // A column's rows come in tiles of 128, each two halves of 64. Within a half, row
 // 16m + 4L + d sits at position 16L + 4m + d: the kernel interleaves four columns' 64
 // positions with unpack instructions that work inside 128-bit lanes, and this order makes
-// their results come out as rows 16m .. 16m + 15 in register m. A tile of one column:
-//   4, 5, 6 bits: 64 bytes, byte p = position p of the first half in its low nibble and of
-//                 the second half in its high nibble; then for each bit above the fourth, a
-//                 64-bit mask of it by position for the first half, then for the second;
-//   8 bits:       64 bytes of the first half's positions, then 64 of the second's.
+// their results come out as rows 16m .. 16m + 15 in register m. A segment's part of a
+// column is its tiles' low planes, then their high planes (so that the low planes, loaded
+// whole, sit on cache-line boundaries):
+//   low, 4 to 6 bits: 64 bytes a tile, byte p = position p of the first half in its low
+//                 nibble and of the second half in its high nibble;
+//   low, 8 bits:  128 bytes a tile, the first half's positions then the second's;
+//   high:         5 and 6 bits: for each bit above the fourth, a 64-bit mask of it by
+//                 position for the first half, then for the second (16 or 32 bytes a tile).
 
 #define HALF (TILE / 2)
 
@@ -138,9 +141,8 @@ static inline int tile_pos(int r) {
     return 16 * L + 4 * m + d;
 }
 
-static size_t tile_rec_bytes(int bits) {
-    return bits == 8 ? 128 : 64 + 16 * (size_t) (bits - 4);
-}
+static size_t tile_lo_bytes(int bits) { return bits == 8 ? 128 : 64; }
+static size_t tile_hi_bytes(int bits) { return bits == 8 ? 0 : 16 * (size_t) (bits - 4); }
 
 static bool seg_kind(enum ggml_type type, struct pi_colmat_seg * s) {
     switch (type) {
@@ -198,7 +200,9 @@ size_t pi_colmat_plan(struct pi_colmat * cm, struct ggml_tensor * const * w, int
         s->pad0    = cm->n_pad;
         s->n_rows  = w[k]->ne[1];
         s->n_tiles = (s->n_rows + TILE - 1) / TILE;
-        s->rec     = tile_rec_bytes(s->bits);
+        s->lo      = tile_lo_bytes(s->bits);
+        s->hi      = tile_hi_bytes(s->bits);
+        s->rec     = s->lo + s->hi;
         s->col_off = cm->col_stride;
         cm->col_stride += (size_t) s->n_tiles * s->rec;
         cm->n_out += s->n_rows;
@@ -278,34 +282,43 @@ void pi_colmat_bind(struct pi_colmat * cm, void * mem) {
     }
 }
 
-// One column's tile record from its 128 q (two halves, each in position order).
-static inline void pack_record(const uint8_t * v, int bits, uint8_t * rec) {
+// One column's tile from its 128 q (two halves, each in position order): its low plane
+// at lo, its high plane (5 and 6 bits) at hi.
+static inline void pack_record(const uint8_t * v, int bits, uint8_t * lo, uint8_t * hi) {
     if (bits == 8) {
-        memcpy(rec, v, TILE);
+        memcpy(lo, v, TILE);
         return;
     }
 #ifdef PI_CM_VNNI
     const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + HALF);
     const __m512i mk = _mm512_set1_epi8(0x0F);
-    _mm512_storeu_si512(rec, _mm512_or_si512(_mm512_and_si512(a, mk), _mm512_slli_epi16(_mm512_and_si512(b, mk), 4)));
+    _mm512_storeu_si512(lo, _mm512_or_si512(_mm512_and_si512(a, mk), _mm512_slli_epi16(_mm512_and_si512(b, mk), 4)));
     for (int hb = 4; hb < bits; ++hb) {
         const uint64_t ma = _cvtmask64_u64(_mm512_test_epi8_mask(a, _mm512_set1_epi8((char) (1 << hb))));
         const uint64_t mb = _cvtmask64_u64(_mm512_test_epi8_mask(b, _mm512_set1_epi8((char) (1 << hb))));
-        memcpy(rec + 64 + 16 * (hb - 4), &ma, 8);
-        memcpy(rec + 72 + 16 * (hb - 4), &mb, 8);
+        memcpy(hi + 16 * (hb - 4), &ma, 8);
+        memcpy(hi + 16 * (hb - 4) + 8, &mb, 8);
     }
 #else
-    for (int p = 0; p < HALF; ++p) rec[p] = (uint8_t) ((v[p] & 0x0F) | ((v[HALF + p] & 0x0F) << 4));
+    for (int p = 0; p < HALF; ++p) lo[p] = (uint8_t) ((v[p] & 0x0F) | ((v[HALF + p] & 0x0F) << 4));
     for (int hb = 4; hb < bits; ++hb) {
         uint64_t ma = 0, mb = 0;
         for (int p = 0; p < HALF; ++p) {
             ma |= (uint64_t) ((v[p] >> hb) & 1) << p;
             mb |= (uint64_t) ((v[HALF + p] >> hb) & 1) << p;
         }
-        memcpy(rec + 64 + 16 * (hb - 4), &ma, 8);
-        memcpy(rec + 72 + 16 * (hb - 4), &mb, 8);
+        memcpy(hi + 16 * (hb - 4), &ma, 8);
+        memcpy(hi + 16 * (hb - 4) + 8, &mb, 8);
     }
 #endif
+}
+
+// A segment's low and high planes of tile ti in the column at col (the segment's part).
+static inline const uint8_t * tile_lo(const struct pi_colmat_seg * s, const uint8_t * col, int64_t ti) {
+    return col + (size_t) ti * s->lo;
+}
+static inline const uint8_t * tile_hi(const struct pi_colmat_seg * s, const uint8_t * col, int64_t ti) {
+    return col + (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
 }
 
 void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth) {
@@ -333,23 +346,23 @@ void pi_colmat_fill(const struct pi_colmat * cm, struct ggml_tensor * const * w,
                     for (int l = 0; l < QK; ++l) colq[l][p] = src[l];
                 }
                 for (int l = 0; l < QK; ++l) {
-                    pack_record(colq[l], s->bits,
-                                (uint8_t *) cm->q + (size_t) (b * QK + l) * cm->col_stride + s->col_off + (size_t) ti * s->rec);
+                    const uint8_t * col = cm->q + (size_t) (b * QK + l) * cm->col_stride + s->col_off;
+                    pack_record(colq[l], s->bits, (uint8_t *) tile_lo(s, col, ti), (uint8_t *) tile_hi(s, col, ti));
                 }
             }
         }
     }
 }
 
-// q at position p (of the first half, or p - 64 of the second) of one column's tile record.
-static inline uint8_t rec_q(const uint8_t * rec, int bits, int p) {
+// q at position p (of the first half, or p - 64 of the second) of one column's tile.
+static inline uint8_t rec_q(const uint8_t * lo, const uint8_t * hi, int bits, int p) {
     if (bits == 8) {
-        return rec[p];
+        return lo[p];
     }
     const int h = p / HALF, pp = p % HALF;
-    uint8_t v = (uint8_t) (h ? rec[pp] >> 4 : rec[pp] & 0x0F);
+    uint8_t v = (uint8_t) (h ? lo[pp] >> 4 : lo[pp] & 0x0F);
     for (int hb = 4; hb < bits; ++hb) {
-        v |= (uint8_t) (((rec[64 + 16 * (hb - 4) + 8 * h + pp / 8] >> (pp % 8)) & 1) << hb);
+        v |= (uint8_t) (((hi[16 * (hb - 4) + 8 * h + pp / 8] >> (pp % 8)) & 1) << hb);
     }
     return v;
 }
@@ -448,6 +461,22 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                 float sum = 0.0f;
                 int32_t sum8 = 0;
                 int8_t q[32] = { 0 };
+#ifdef PI_CM_VNNI
+                // the chunk's inputs quantized, token t's kept ones (others 0), packed down to the union's order
+                for (int64_t l = 0; l < C; l += 16) {
+                    const __m512 xv = _mm512_loadu_ps(xt + j0 + l);
+                    const __mmask16 kt = (__mmask16) (keep[t] >> l), ku = (__mmask16) (any >> l);
+                    const __m512 v = _mm512_mul_ps(xv, _mm512_set1_ps(id));
+                    // roundf: away from zero (ggml's quantization), NaN and inf to 0
+                    const __m512 half = _mm512_or_ps(_mm512_and_ps(v, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(0.5f));
+                    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+                    const __m512i qi = _mm512_maskz_cvttps_epi32(kt & fin, _mm512_add_ps(v, half));
+                    sum8 += _mm512_reduce_add_epi32(qi);
+                    sum += _mm512_mask_reduce_add_ps(kt, xv);
+                    const int pos = __builtin_popcount(any & ((1u << l) - 1));
+                    _mm_storeu_si128((__m128i *) (q + pos), _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(ku, qi)));
+                }
+#else
                 for (int32_t i = 0; i < n; ++i) {
                     const int64_t j = cols[i];
                     if (keep[t] >> (j - j0) & 1) {
@@ -458,6 +487,7 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                         sum8 += q8;
                     }
                 }
+#endif
                 for (int32_t g = 0; g < n_groups; ++g) {
                     uint32_t packed;
                     memcpy(&packed, q + 4 * g, 4);
@@ -490,6 +520,8 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
 // dot products do.
 
 #define PI_CM_PIECES 16
+// Tiles ahead whose lines a pass brings into L2 (about bandwidth x latency in flight).
+#define PI_CM_PREFETCH_TILES 12  // at most; a piece per unit below that
 
 struct chunk_view {
     int32_t         n_groups;
@@ -536,10 +568,10 @@ void pi_colmat_row(const struct pi_colmat * cm, int64_t r, float * w, float * a,
     const int64_t rr = r - s->row0, ti = rr / TILE;
     const int p = row_pos((int) (rr % TILE));
     for (int64_t j = 0; j < cm->n_in; ++j) {
-        const uint8_t * rec = cm->q + (size_t) j * cm->col_stride + s->col_off + (size_t) ti * s->rec;
+        const uint8_t * col = cm->q + (size_t) j * cm->col_stride + s->col_off;
         float aj, bj;
         seg_ab(s, rr, j, &aj, &bj);
-        w[j] = aj * (float) rec_q(rec, s->bits, p) + bj;
+        w[j] = aj * (float) rec_q(tile_lo(s, col, ti), tile_hi(s, col, ti), s->bits, p) + bj;
         if (a) a[j] = aj;
         if (b) b[j] = bj;
     }
@@ -581,7 +613,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
                     for (int i = 0; i < 4; ++i) {
                         const uint8_t * col = cm->q + (size_t) v.cols[4 * g + i] * cm->col_stride + s->col_off;
                         for (int64_t r = 0; r < s->n_rows; ++r) {
-                            const int32_t qv = rec_q(col + (size_t) (r / TILE) * s->rec, s->bits, row_pos((int) (r % TILE)));
+                            const int32_t qv = rec_q(tile_lo(s, col, r / TILE), tile_hi(s, col, r / TILE), s->bits, row_pos((int) (r % TILE)));
                             for (int64_t t = 0; t < T; ++t) {
                                 pb.acc[t * n_pad + s->pad0 + r] += qv * (int32_t) (int8_t) ((uint32_t) v.x4[g * T + t] >> (8 * i));
                             }
@@ -637,24 +669,25 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
 #ifdef PI_CM_VNNI
 // ---- AVX-512 VNNI kernels --
 
-// 64 q of one half (h) of one column's tile as bytes, in position order. BITS is a constant.
-static inline __attribute__((always_inline)) __m512i half_u8(const uint8_t * rec, const int BITS, const int h) {
+// 64 q of one half (h) of one column's tile as bytes, in position order: its low plane at
+// lo, its high plane at hi. BITS is a constant.
+static inline __attribute__((always_inline)) __m512i half_u8(const uint8_t * lo, const uint8_t * hi, const int BITS, const int h) {
     if (BITS == 8) {
-        return _mm512_loadu_si512(rec + 64 * h);
+        return _mm512_loadu_si512(lo + 64 * h);
     }
-    const __m512i v = _mm512_loadu_si512(rec);
+    const __m512i v = _mm512_loadu_si512(lo);
     __m512i u = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
-    if (BITS >= 5) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (rec + 64 + 8 * h)), u, _mm512_set1_epi8(16));
-    if (BITS >= 6) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (rec + 80 + 8 * h)), u, _mm512_set1_epi8(32));
+    if (BITS >= 5) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (hi + 8 * h)), u, _mm512_set1_epi8(16));
+    if (BITS >= 6) u = _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *) (hi + 16 + 8 * h)), u, _mm512_set1_epi8(32));
     return u;
 }
 
 // The q of one half (64 rows) of 4 columns interleaved for vpdpbusd: w[m] lane i holds the 4
 // columns' q of row 16m + i.
-static inline __attribute__((always_inline)) void half_w(const uint8_t * const * p, size_t off, const int BITS, const int h,
-                                                         __m512i * w) {
-    const __m512i u0 = half_u8(p[0] + off, BITS, h), u1 = half_u8(p[1] + off, BITS, h);
-    const __m512i u2 = half_u8(p[2] + off, BITS, h), u3 = half_u8(p[3] + off, BITS, h);
+static inline __attribute__((always_inline)) void half_w(const uint8_t * const * p, size_t lo, size_t hi, const int BITS,
+                                                         const int h, __m512i * w) {
+    const __m512i u0 = half_u8(p[0] + lo, p[0] + hi, BITS, h), u1 = half_u8(p[1] + lo, p[1] + hi, BITS, h);
+    const __m512i u2 = half_u8(p[2] + lo, p[2] + hi, BITS, h), u3 = half_u8(p[3] + lo, p[3] + hi, BITS, h);
     const __m512i a0 = _mm512_unpacklo_epi8(u0, u1), a1 = _mm512_unpackhi_epi8(u0, u1);
     const __m512i b0 = _mm512_unpacklo_epi8(u2, u3), b1 = _mm512_unpackhi_epi8(u2, u3);
     w[0] = _mm512_unpacklo_epi16(a0, b0);
@@ -685,17 +718,27 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
     const __m512i z = _mm512_setzero_si512();
     const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = NG > 1 ? _mm512_set1_epi32(x4[T]) : z;  // token 0's
     for (int64_t ti = 0; ti < s->n_tiles; ++ti) {
-        const size_t off = (size_t) ti * s->rec;
-        for (int i = 0; i < npf; ++i) {
-            _mm_prefetch((const char *) q[i] + off, _MM_HINT_T1);
-            if (s->rec > 64) _mm_prefetch((const char *) q[i] + off + s->rec - 1, _MM_HINT_T1);
+        const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
+        // PI_CM_PREFETCH_TILES tiles ahead: these columns' later tiles, then the next pass's first
+        {
+            const int64_t ta = ti + PI_CM_PREFETCH_TILES;
+            const bool here = ta < s->n_tiles;
+            const int64_t tp = here ? ta : ta - s->n_tiles;
+            const uint8_t * const * src = here ? p : q;
+            const int n = here ? 4 * NG : (tp < s->n_tiles ? npf : 0);
+            const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
+            for (int i = 0; i < n; ++i) {
+                _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
+                if (BITS == 8) _mm_prefetch((const char *) src[i] + plo + 64, _MM_HINT_T1);
+                if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) _mm_prefetch((const char *) src[i] + phi, _MM_HINT_T1);
+            }
         }
         for (int h = 0; h < 2; ++h) {
             const int64_t r = ti * TILE + h * HALF;
             if (r >= s->n_rows) break;
             __m512i w[2][4];
-            half_w(p, off, BITS, h, w[0]);
-            if (NG > 1) half_w(p + 4, off, BITS, h, w[1]);
+            half_w(p, lo, hi, BITS, h, w[0]);
+            if (NG > 1) half_w(p + 4, lo, hi, BITS, h, w[1]);
             for (int64_t t = 0; t < T; ++t) {
                 const __m512i xa = t == 0 ? x0 : _mm512_set1_epi32(x4[t]);
                 const __m512i xb = NG > 1 ? (t == 0 ? x1 : _mm512_set1_epi32(x4[T + t])) : z;
@@ -843,53 +886,42 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
     }
 }
 
-// Passes further ahead whose columns a pass brings into L2: a column's run of a segment can
-// be short (down: 768 bytes of Q4_K), and one pass ahead left the loads waiting on memory.
-#define PI_CM_PREFETCH_PASSES 2
-
 static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
                        struct piece_buf pb) {
     const int64_t C = cm->chunk;
     const bool kmode = cm->xblock == QK_K;
-    const int64_t per = kmode ? QK_K / C : 1;
-    // The piece's passes, in order: chunk, first group, groups (1 or 2); groups in pairs, one
-    // pass over acc for 8 columns (with xblock 256 the chunk's last pass folds into t).
-    struct pass { int32_t c, g, ng; } passes[1024];
-    int32_t n_passes = 0;
-    for (int64_t c = u0 * per; c < u1 * per && n_passes < 1024 - 1; ++c) {
-        const int32_t ng = chunk_at(prep, c, C, T).n_groups;
-        for (int32_t g = 0; g < ng && n_passes < 1024; g += 2) passes[n_passes++] = (struct pass) { (int32_t) c, g, ng - g >= 2 ? 2 : 1 };
-    }
+    const int64_t per = kmode ? QK_K / C : 1, c_end = u1 * per;
     bool written = false;    // pb.y holds something
     bool t_written = false;  // pb.t holds this super-block's sums
-    const float * dx = NULL;
-    for (int32_t i = 0; i < n_passes; ++i) {
-        const struct pass ps = passes[i];
-        const struct chunk_view v = chunk_at(prep, ps.c, C, T);
-        const int32_t ahead = i + PI_CM_PREFETCH_PASSES;
-        const int32_t * pf = NULL;
-        int npf = 0;
-        if (ahead < n_passes) {
-            pf = chunk_at(prep, passes[ahead].c, C, T).cols + 4 * passes[ahead].g;
-            npf = 4 * passes[ahead].ng;
+    // Groups in pairs: one pass over acc for 8 columns (with xblock 256 the chunk's last pass
+    // folds into t). Each pass brings the next pass's columns into L2 as it goes.
+    int64_t c = u0 * per;
+    while (c < c_end && chunk_at(prep, c, C, T).n_groups == 0) ++c;
+    while (c < c_end) {
+        const struct chunk_view v = chunk_at(prep, c, C, T);
+        int64_t cn = c + 1;  // the next chunk with columns
+        while (cn < c_end && chunk_at(prep, cn, C, T).n_groups == 0) ++cn;
+        const struct chunk_view vn = cn < c_end ? chunk_at(prep, cn, C, T) : (struct chunk_view) { 0 };
+        for (int32_t g = 0; g < v.n_groups; g += 2) {
+            const int ng = v.n_groups - g >= 2 ? 2 : 1;
+            const bool last = g + 2 >= v.n_groups;
+            const int32_t * pf = last ? vn.cols : v.cols + 4 * (g + 2);
+            const int npf = last ? 4 * (vn.n_groups >= 2 ? 2 : vn.n_groups) : 4 * (v.n_groups - g - 2 >= 2 ? 2 : 1);
+            groups_pass(cm, v.cols + 4 * g, v.x4 + g * T, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
+                        !t_written, v.s8);
         }
-        const bool last = ps.g + 2 >= v.n_groups;
-        dx = v.dx;
-        groups_pass(cm, v.cols + 4 * ps.g, v.x4 + ps.g * T, ps.ng, T, pb.acc, ps.g == 0, pf, npf, kmode && last, ps.c * C,
-                    pb.t, !t_written, v.s8);
-        if (!last) continue;
         if (!kmode) {
-            fold_float(cm, &v, ps.c * C, T, pb, !written);
+            fold_float(cm, &v, c * C, T, pb, !written);
             written = true;
-            continue;
+        } else {
+            t_written = true;
+            if (cn >= c_end || cn / per != c / per) {  // the super-block's last chunk with columns
+                fold_superblock(cm, prep, c / per, T, v.dx, pb, !written);
+                written = true;
+                t_written = false;
+            }
         }
-        t_written = true;
-        const int64_t u = ps.c / per;
-        if (i + 1 == n_passes || passes[i + 1].c / per != u) {  // the super-block's last chunk with columns
-            fold_superblock(cm, prep, u, T, dx, pb, !written);
-            written = true;
-            t_written = false;
-        }
+        c = cn;
     }
     if (!written) memset(pb.y, 0, sizeof(float) * (size_t) (T * cm->n_pad));
 }
@@ -921,7 +953,8 @@ static void op_barrier(struct pi_input_op * op, int nth) {
 }
 
 // The pieces: a function of the shape alone (never of the batch or the threads), so that
-// the sums, and their rounding, are the same however the work is shared.
+// the sums, and their rounding, are the same however the work is shared. One unit each
+// (up to PI_CM_PIECES): equal pieces, which threads claiming them share out evenly.
 static int64_t n_pieces_of(const struct pi_colmat * cm) {
     const int64_t n = n_units_of(cm);
     return n < PI_CM_PIECES ? n : PI_CM_PIECES;

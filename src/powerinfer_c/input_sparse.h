@@ -42,7 +42,8 @@ struct pi_colmat_seg {
     int64_t                n_rows;   // rows of the matrix
     int64_t                n_tiles;  // n_rows padded to PI_COLMAT_TILE, in tiles
     size_t                 col_off;  // byte offset of this segment's part of a column
-    size_t                 rec;      // bytes of one tile of one column
+    size_t                 rec;      // bytes of one tile of one column: lo + hi
+    size_t                 lo, hi;   // of its low plane (nibbles, or bytes) and its high plane (5 and 6 bits)
     // Scale arrays, each [units][n_tiles * PI_COLMAT_TILE] (rows fastest), NULL when unused:
     const ggml_fp16_t *    d;        // per 32 (D, DM) or per 256 columns (K, 6K)
     const ggml_fp16_t *    m;        // DM: per 32; K: dmin per 256

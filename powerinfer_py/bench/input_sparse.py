@@ -1,0 +1,291 @@
+"""Input sparsity on any GGUF (`powerinfer sparsify`) against llama-cpp-python on the
+original file, same machine, same run, same threads:
+
+    python -m powerinfer_py.bench sparse --model MODEL.gguf [--sparsities 0,0.25,0.4,0.5]
+        [--corpus FILE...] [--text [NAME=]FILE...] [--threads 2] [--n-gen 128] [--reps 3]
+
+For each sparsity a sparse copy of MODEL is made once (`powerinfer sparsify`, greedy
+allocation, calibrated on --corpus, else on 2048 tokens of the model's own samples) and
+kept under <cache>/sparse/. Then, per sparsity:
+- decode: after a 16-token prompt, --n-gen greedy tokens, the two engines' steps
+  alternating in one process (the machine's bandwidth drifts), --reps times in fresh
+  processes; the median of the runs' ratios. Beside it the byte-count ideal: the weight
+  bytes llama.cpp reads per token over the bytes the kept input entries leave (every matrix
+  of every layer at its measured kept share; the output matrix, norms and embeddings
+  whole), and the share of that ideal reached;
+- prompts of --prompts tokens (one call each, best of --prompt-reps, alternating);
+- with --text (held-out domains), the card's quality columns against the original run by
+  llama-cpp-python: NLL change, KL and top-1 agreement per domain (passages teacher-forced
+  one token per decode, so the sparse path runs as in generation);
+- peak RSS of our engine in input mode and of llama-cpp-python, each alone in a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .._machine import best_alternating, cpu_model, measure_bandwidth
+from ..assets.models import cache_dir
+from ..pipeline.evaluate import prompt_timer
+from .common import ChildError, print_table, spawn
+
+INPUTS = ("qkv", "o", "ffn", "down")
+PROMPT_TEXT = (
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
+    "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
+)
+
+
+def _prompt(tokenize, n: int) -> List[int]:
+    text = PROMPT_TEXT
+    while True:
+        toks = tokenize(text.encode())
+        if len(toks) >= n:
+            return toks[:n]
+        text += PROMPT_TEXT
+
+
+def sparse_path(model: str, sparsity: float) -> str:
+    return str(cache_dir() / "sparse" / f"{Path(model).stem}.input{round(100 * sparsity):02d}.gguf")
+
+
+def make_sparse(model: str, sparsity: float, corpus: Sequence[str], threads: int) -> str:
+    """The sparse copy of model at this sparsity, made once (sparsify) and reused."""
+    from ..pipeline.sparsify import sparsify
+
+    out = sparse_path(model, sparsity)
+    if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
+        sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads)
+    return out
+
+
+def _matrix_bytes(path: str, n_layer: int) -> np.ndarray:
+    from ..pipeline.sparsify import input_bytes
+
+    return input_bytes(path, n_layer)
+
+
+def _dense_bytes(path: str) -> float:
+    """Weight bytes llama.cpp reads per token: all but the token embeddings (one row), unless
+    the output is tied to them."""
+    import gguf
+
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    total = sum(v for k, v in sizes.items() if k != "token_embd.weight")
+    return float(total + (sizes.get("token_embd.weight", 0) if "output.weight" not in sizes else 0))
+
+
+# ---- children -------------------------------------------------------------------------------
+
+
+def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, Any]:
+    """Both engines in this process, their decode steps alternating; each follows its own
+    greedy tokens after the same 16-token prompt. Our engine's kept shares per input."""
+    import llama_cpp
+
+    from ..llama import Llama
+
+    kw = dict(n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ref = llama_cpp.Llama(model_path=model, **kw)
+    ours = Llama(model_path=path, sparse_mode="input", **kw)
+    prompt = _prompt(ref.tokenize, 16)
+    ref.eval(prompt)
+    ours.eval(prompt)
+    for _ in range(4):  # warm-up steps, not timed
+        ref.eval([int(np.argmax(ref._scores[-1]))])
+        ours.eval([int(np.argmax(ours._last_logits_view()))])
+    ours.reset_timings()
+    t_ref = t_ours = 0.0
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        ref.eval([int(np.argmax(ref._scores[-1]))])
+        t_ref += time.perf_counter() - t
+        t = time.perf_counter()
+        ours.eval([int(np.argmax(ours._last_logits_view()))])
+        t_ours += time.perf_counter() - t
+    ctx = ours._require_ctx()
+    n_layer = ours._model.n_layer()
+    kept = [[(lambda k: k[0] / k[1] if k[1] else 1.0)(ctx.input_stats(il, i)) for i in range(4)] for il in range(n_layer)]
+    sparse = [[ours._model.input_sparse(il, i) for i in range(4)] for il in range(n_layer)]
+    return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours, "kept": kept, "sparse": sparse}
+
+
+def prompt_pair(model: str, path: str, threads: int, lengths: Sequence[int], reps: int) -> Dict[str, Any]:
+    import llama_cpp
+
+    from ..llama import Llama
+
+    kw = dict(n_ctx=max(lengths) + 64, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ref = llama_cpp.Llama(model_path=model, **kw)
+    ours = Llama(model_path=path, sparse_mode="input", **kw)
+    out: Dict[str, Any] = {}
+    for n in lengths:
+        toks = _prompt(ref.tokenize, n)
+        best_ref, best_ours = best_alternating([prompt_timer(ref, toks), prompt_timer(ours, toks)], reps)
+        out[str(n)] = {"ref_tok_s": n / best_ref, "ours_tok_s": n / best_ours}
+    return out
+
+
+def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int) -> Dict[str, Any]:
+    """One engine alone: load, a prompt of n_prompt tokens, n_gen decode steps; peak RSS."""
+    kw = dict(n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    t0 = time.perf_counter()
+    if engine == "llama-cpp-python":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=path, **kw)
+        last = lambda: llm._scores[-1]  # noqa: E731
+    else:
+        from ..llama import Llama
+
+        llm = Llama(model_path=path, sparse_mode="input", **kw)
+        last = llm._last_logits_view
+    t_load = time.perf_counter() - t0
+    llm.eval(_prompt(llm.tokenize, n_prompt))
+    for _ in range(n_gen):
+        llm.eval([int(np.argmax(last()))])
+    return {"load_s": t_load, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+
+
+def quality(model: str, paths: Dict[str, str], domains: List[List[str]], passages: int, n_tokens: int,
+            threads: int) -> Dict[str, Any]:
+    """Per sparsity and domain: NLL change, KL and top-1 agreement against llama-cpp-python on
+    the original (its log-probabilities computed once per passage)."""
+    from .._core import Model
+    from ..pipeline.evaluate import Score, file_passages, model_logp, reference_logp
+
+    out: Dict[str, Any] = {}
+    texts = {name: file_passages(model, f, passages, n_tokens) for name, f in domains}
+    refs = {name: [reference_logp(model, p, threads) for p in ps] for name, ps in texts.items()}
+    for key, path in paths.items():
+        with Model(path, sparse_mode="input") as m:
+            out[key] = {}
+            for name, ps in texts.items():
+                ref_score, score = Score(), Score()
+                for p, ref in zip(ps, refs[name]):
+                    targets = np.asarray(p[1:], dtype=np.int64)
+                    ref_score.add(ref, targets, None)
+                    logp, _ = model_logp(m, p, threads)
+                    score.add(logp, targets, ref)
+                r = score.row(True)
+                out[key][name] = {"nll": r["nll"], "nll_ref": ref_score.row(False)["nll"], "kl": r["kl"], "top1": r["top1"]}
+    return out
+
+
+# ---- parent ---------------------------------------------------------------------------------
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powerinfer_py.bench sparse --model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a standard GGUF (llama-cpp-python runs it; our engine its sparse copies)")
+    p.add_argument("--sparsities", default="0,0.25,0.4,0.5")
+    p.add_argument("--corpus", nargs="*", default=[], help="calibration text for sparsify (default: the model's samples)")
+    p.add_argument("--text", nargs="*", default=[], metavar="[NAME=]FILE", help="held-out domains for the quality columns")
+    p.add_argument("--passages", type=int, default=4)
+    p.add_argument("--n-tokens", type=int, default=128, help="tokens per held-out passage")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="decode runs per sparsity (fresh processes; the median ratio)")
+    p.add_argument("--prompts", default="64,512")
+    p.add_argument("--prompt-reps", type=int, default=3)
+    p.add_argument("--no-rss", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    from ..pipeline.evaluate import parse_domains
+
+    try:
+        sparsities = [float(v) for v in a.sparsities.split(",") if v.strip()]
+        lengths = [int(v) for v in a.prompts.split(",") if v.strip()]
+    except ValueError:
+        sparsities, lengths = [], [-1]
+    if not os.path.isfile(a.model) or not sparsities or any(not 0 <= s < 1 for s in sparsities) or \
+            any(n < 1 for n in lengths) or a.n_gen < 1 or a.reps < 1:
+        print("error: --model must be a file, --sparsities in [0, 1), --prompts >= 1, --n-gen and --reps >= 1",
+              file=sys.stderr)
+        return 1
+    domains = [list(d) for d in parse_domains(a.text)] if a.text else []
+    paths = {f"{s:.2f}": make_sparse(a.model, s, a.corpus, a.threads) for s in sparsities}
+    results: Dict[str, Any] = {"model": a.model, "threads": a.threads, "decode": {}, "prompt": {}, "rss": {}}
+    try:
+        for key, path in paths.items():
+            runs = []
+            for r in range(a.reps):
+                print(f"decode {key} run {r + 1}/{a.reps}, interleaved with llama-cpp-python ...", file=sys.stderr, flush=True)
+                runs.append(spawn(decode_pair, model=a.model, path=path, threads=a.threads, n_gen=a.n_gen))
+            results["decode"][key] = runs
+            if lengths:
+                print(f"prompts {key} ...", file=sys.stderr, flush=True)
+                results["prompt"][key] = spawn(prompt_pair, model=a.model, path=path, threads=a.threads, lengths=lengths,
+                                               reps=a.prompt_reps)
+        if not a.no_rss:
+            top = paths[max(paths)]
+            for label, engine, path in (("llama-cpp-python", "llama-cpp-python", a.model), (f"powerinfer input {max(paths)}", "powerinfer", top)):
+                print(f"peak RSS: {label} ...", file=sys.stderr, flush=True)
+                results["rss"][label] = spawn(peak_rss, engine=engine, path=path, threads=a.threads,
+                                              n_prompt=max(lengths) if lengths else 16, n_gen=a.n_gen)
+        if domains:
+            print("quality on the held-out domains ...", file=sys.stderr, flush=True)
+            results["quality"] = spawn(quality, model=a.model, paths=paths, domains=domains, passages=a.passages,
+                                       n_tokens=a.n_tokens, threads=a.threads)
+    except ChildError as e:
+        print(f"error: a benchmark run failed ({e.reason}):\n{e.output[-2000:]}", file=sys.stderr)
+        return 1
+    bw = measure_bandwidth(a.threads)
+    results["bandwidth"], results["cpu"] = bw, cpu_model()
+
+    n_layer = len(next(iter(results["decode"].values()))[0]["kept"])
+    mat = _matrix_bytes(a.model, n_layer)
+    dense = _dense_bytes(a.model)
+    print(f"\nmodel: {a.model}; {a.threads} threads; measured read bandwidth ({a.threads} threads) {bw / 1e9:.1f} GB/s\n")
+    rows = []
+    for key, runs in results["decode"].items():
+        kept = np.array(runs[0]["kept"])
+        sparse = np.array(runs[0]["sparse"], dtype=bool)
+        read = dense - float((mat * np.where(sparse, 1.0 - kept, 0.0)).sum())
+        ideal = dense / read
+        ratios = [r["ours_tok_s"] / r["ref_tok_s"] for r in runs]
+        med = statistics.median(ratios)
+        ref_ts = statistics.median(r["ref_tok_s"] for r in runs)
+        ours_ts = statistics.median(r["ours_tok_s"] for r in runs)
+        dropped = float((mat * (1.0 - kept)).sum() / mat.sum())
+        rows.append([f"{float(key):.0%}", f"{dropped:.1%}", f"{read / 2**20:.0f} / {dense / 2**20:.0f} MiB", f"{ideal:.2f}x",
+                     f"{ref_ts:.2f}", f"{ours_ts:.2f}", f"{med:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})",
+                     f"{100 * med / ideal:.0f}%"])
+    print_table(f"Decode, {a.n_gen} tokens, steps interleaved with llama-cpp-python, {a.reps} runs each (median):",
+                ("sparsity", "matrix bytes dropped", "weights/token (ideal / dense)", "byte-count ideal",
+                 "llama-cpp-python tok/s", "powerinfer tok/s", "ratio (runs)", "of ideal"), rows)
+    if results["prompt"]:
+        print()
+        rows = [[f"{float(key):.0%}", n, f"{r['ref_tok_s']:.1f}", f"{r['ours_tok_s']:.1f}", f"{r['ours_tok_s'] / r['ref_tok_s']:.2f}x"]
+                for key, by_len in results["prompt"].items() for n, r in by_len.items()]
+        print_table(f"Prompt processing (one call per prompt, best of {a.prompt_reps}, engines alternating):",
+                    ("sparsity", "prompt tokens", "llama-cpp-python tok/s", "powerinfer tok/s", "ratio"), rows)
+    if results.get("quality"):
+        print()
+        rows = []
+        for key, by_dom in results["quality"].items():
+            for name, q in by_dom.items():
+                rows.append([f"{float(key):.0%}", name, f"{q['nll_ref']:.4f}", f"{q['nll']:.4f}", f"{q['nll'] - q['nll_ref']:+.4f}",
+                             f"{q['kl']:.4f}", f"{100 * q['top1']:.1f}%"])
+        print_table(f"Quality on held-out text ({a.passages} passages x {a.n_tokens} tokens per domain, one token per decode):",
+                    ("sparsity", "domain", "NLL original", "NLL sparse", "change (nats)", "KL", "top-1 agreement"), rows)
+    if results["rss"]:
+        print()
+        print_table("Peak RSS, each engine alone (load, the longest prompt, the decode):", ("engine", "load s", "peak RSS"),
+                    [[k, f"{r['load_s']:.1f}", f"{r['peak_rss_mib']:.0f} MiB"] for k, r in results["rss"].items()])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
