@@ -586,7 +586,17 @@ struct piece_buf {
     float *   y;
     int32_t * acc;
     int32_t * t;
+    int64_t   ga, gb;  // the tiles (of all segments, in order) this piece computes
 };
+
+// The tiles of segment k within [ga, gb): [*ta, *tz) of the segment.
+static inline void seg_tiles(const struct pi_colmat * cm, int k, int64_t ga, int64_t gb, int64_t * ta, int64_t * tz) {
+    int64_t base = 0;
+    for (int i = 0; i < k; ++i) base += cm->seg[i].n_tiles;
+    const int64_t n = cm->seg[k].n_tiles;
+    *ta = ga - base < 0 ? 0 : ga - base > n ? n : ga - base;
+    *tz = gb - base < 0 ? 0 : gb - base > n ? n : gb - base;
+}
 
 // ---- scalar kernels (any CPU; the bits of the SIMD ones) --
 
@@ -708,7 +718,8 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                                                              const int BITS, const int NG, const int32_t * cols,
                                                              const int32_t * x4, int64_t T, int32_t * acc, bool first,
                                                              const int32_t * pf, int npf, const bool fold, int64_t j,
-                                                             int32_t * tsum, bool t_first, const int32_t * s8) {
+                                                             int32_t * tsum, bool t_first, const int32_t * s8, int64_t ta,
+                                                             int64_t tz) {
     const bool six = s->scales == PI_CM_6K;
     const uint8_t * scp = fold ? s->sc + (size_t) (six ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE) : NULL;
     const int64_t n_pad = cm->n_pad;
@@ -717,15 +728,15 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
     for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
     const __m512i z = _mm512_setzero_si512();
     const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = NG > 1 ? _mm512_set1_epi32(x4[T]) : z;  // token 0's
-    for (int64_t ti = 0; ti < s->n_tiles; ++ti) {
+    for (int64_t ti = ta; ti < tz; ++ti) {
         const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
         // PI_CM_PREFETCH_TILES tiles ahead: these columns' later tiles, then the next pass's first
         {
-            const int64_t ta = ti + PI_CM_PREFETCH_TILES;
-            const bool here = ta < s->n_tiles;
-            const int64_t tp = here ? ta : ta - s->n_tiles;
+            const int64_t ahead = ti + PI_CM_PREFETCH_TILES;
+            const bool here = ahead < tz;
+            const int64_t tp = here ? ahead : ta + (ahead - tz);
             const uint8_t * const * src = here ? p : q;
-            const int n = here ? 4 * NG : (tp < s->n_tiles ? npf : 0);
+            const int n = here ? 4 * NG : (tp < tz ? npf : 0);
             const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
             for (int i = 0; i < n; ++i) {
                 _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
@@ -764,16 +775,19 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
 // One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]).
 static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
                         int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
-                        bool t_first, const int32_t * s8) {
+                        bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
+        int64_t ta, tz;
+        seg_tiles(cm, k, ga, gb, &ta, &tz);
+        if (ta >= tz) continue;
 #define PI_CM_CASE(B) \
         if (fold) { \
-            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8); \
-            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8); \
+            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
+            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
         } else { \
-            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL); \
-            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL); \
+            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz); \
+            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz); \
         }
         switch (s->bits) {
             case 4:  PI_CM_CASE(4); break;
@@ -792,7 +806,10 @@ static void fold_float(const struct pi_colmat * cm, const struct chunk_view * v,
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
         const size_t rows = (size_t) s->n_tiles * TILE;
-        for (int64_t r = 0; r < s->n_rows; r += 16) {
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 16) {
             __m512 a, b;
             switch (s->scales) {
                 case PI_CM_D:
@@ -858,7 +875,10 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
         const struct pi_colmat_seg * s = &cm->seg[k];
         const size_t rows = (size_t) s->n_tiles * TILE;
         const bool mins = s->scales == PI_CM_K;
-        for (int64_t r = 0; r < s->n_rows; r += 16) {
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 16) {
             const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) u * rows + r)));
             const __m512 dm = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) u * rows + r)))
                                    : _mm512_setzero_ps();
@@ -908,7 +928,7 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
             const int32_t * pf = last ? vn.cols : v.cols + 4 * (g + 2);
             const int npf = last ? 4 * (vn.n_groups >= 2 ? 2 : vn.n_groups) : 4 * (v.n_groups - g - 2 >= 2 ? 2 : 1);
             groups_pass(cm, v.cols + 4 * g, v.x4 + g * T, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
-                        !t_written, v.s8);
+                        !t_written, v.s8, pb.ga, pb.gb);
         }
         if (!kmode) {
             fold_float(cm, &v, c * C, T, pb, !written);
@@ -923,7 +943,11 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
         }
         c = cn;
     }
-    if (!written) memset(pb.y, 0, sizeof(float) * (size_t) (T * cm->n_pad));
+    if (!written) {  // the piece's rows
+        for (int64_t t = 0; t < T; ++t) {
+            memset(pb.y + t * cm->n_pad + pb.ga * TILE, 0, sizeof(float) * (size_t) ((pb.gb - pb.ga) * TILE));
+        }
+    }
 }
 #endif
 
@@ -1002,10 +1026,12 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
 
     // threads beyond the scratch slots (more than the graph was built for) claim no pieces
     int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
+    int64_t n_tiles_all = 0;
+    for (int k = 0; k < cm->n_segs; ++k) n_tiles_all += cm->seg[k].n_tiles;
     for (; ith < L.slots;) {
         const int64_t p = __atomic_fetch_add(&op->sync[2], 1, __ATOMIC_RELAXED);
         if (p >= n_pieces) break;
-        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T };
+        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T, 0, n_tiles_all };
         const int64_t u0 = n_units * p / n_pieces, u1 = n_units * (p + 1) / n_pieces;
 #ifdef PI_CM_VNNI
         if (!g_force_scalar) {
