@@ -165,6 +165,18 @@ def test_mixed_group_of_k_and_32_blocks(tmp_path, driver):
     _check(out, x, tau, 16, [t for t, _ in segs])
 
 
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+def test_tall_group_cut_into_row_pieces(tmp_path, driver):
+    # 64 tiles of 128 rows over 2 super-blocks: few column pieces, so each is cut by rows too
+    rng = np.random.default_rng(12)
+    n_in = 512
+    x = _inputs(rng, 2, n_in)
+    tau = float(np.quantile(np.abs(x), 0.4))
+    segs = [("q4_K", _weights(rng, 4096, n_in)), ("q4_K", _weights(rng, 4096, n_in))]
+    out = _run(tmp_path, segs, x, tau, driver=driver)
+    _check(out, x, tau, 32, ["q4_K", "q4_K"])
+
+
 def test_thread_count_does_not_change_the_bits(tmp_path):
     rng = np.random.default_rng(11)
     n_in = 512

@@ -977,11 +977,35 @@ static void op_barrier(struct pi_input_op * op, int nth) {
 }
 
 // The pieces: a function of the shape alone (never of the batch or the threads), so that
-// the sums, and their rounding, are the same however the work is shared. One unit each
-// (up to PI_CM_PIECES): equal pieces, which threads claiming them share out evenly.
-static int64_t n_pieces_of(const struct pi_colmat * cm) {
+// the sums, and their rounding, are the same however the work is shared. A grid: column
+// pieces of whole units (up to PI_CM_PIECES), and, when those are fewer than
+// PI_CM_MIN_PIECES and the columns long, each cut into row pieces, so that the threads
+// that claim them share the work out evenly (a column run stays at least 32 tiles long).
+#define PI_CM_MIN_PIECES 12
+
+struct piece_grid {
+    int64_t n_col, n_row, n_tiles;
+};
+
+static int64_t total_tiles(const struct pi_colmat * cm) {
+    int64_t n = 0;
+    for (int k = 0; k < cm->n_segs; ++k) n += cm->seg[k].n_tiles;
+    return n;
+}
+
+static struct piece_grid grid_of(const struct pi_colmat * cm) {
+    struct piece_grid g;
     const int64_t n = n_units_of(cm);
-    return n < PI_CM_PIECES ? n : PI_CM_PIECES;
+    g.n_tiles = total_tiles(cm);
+    g.n_col = n < PI_CM_PIECES ? n : PI_CM_PIECES;
+    g.n_row = 1;
+    while (g.n_col * g.n_row < PI_CM_MIN_PIECES && g.n_tiles / (g.n_row + 1) >= 32) ++g.n_row;
+    return g;
+}
+
+static int64_t n_pieces_of(const struct pi_colmat * cm) {
+    const struct piece_grid g = grid_of(cm);
+    return g.n_col * g.n_row;
 }
 
 // The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per piece
@@ -1026,13 +1050,14 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
 
     // threads beyond the scratch slots (more than the graph was built for) claim no pieces
     int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
-    int64_t n_tiles_all = 0;
-    for (int k = 0; k < cm->n_segs; ++k) n_tiles_all += cm->seg[k].n_tiles;
+    const struct piece_grid G = grid_of(cm);
     for (; ith < L.slots;) {
         const int64_t p = __atomic_fetch_add(&op->sync[2], 1, __ATOMIC_RELAXED);
         if (p >= n_pieces) break;
-        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T, 0, n_tiles_all };
-        const int64_t u0 = n_units * p / n_pieces, u1 = n_units * (p + 1) / n_pieces;
+        const int64_t cp = p / G.n_row, rp = p % G.n_row;
+        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
+                                      G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
+        const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
 #ifdef PI_CM_VNNI
         if (!g_force_scalar) {
             piece_vnni(cm, &pv, T, u0, u1, pb);
@@ -1043,17 +1068,25 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     }
     op_barrier(op, nth);
 
+    // each row: the partials of the pieces whose tiles hold it, in column-piece order
+    int64_t base = 0;  // the segment's first tile
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
         const int64_t r0 = s->n_rows * ith / nth, r1 = s->n_rows * (ith + 1) / nth;
-        for (int64_t t = 0; t < T; ++t) {
-            float * yt = y + t * cm->n_out + s->row0;
-            for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t g = base + r / TILE;
+            int64_t rp = g * G.n_row / G.n_tiles;  // the row piece holding tile g
+            while (G.n_tiles * rp / G.n_row > g) --rp;
+            while (G.n_tiles * (rp + 1) / G.n_row <= g) ++rp;
+            for (int64_t t = 0; t < T; ++t) {
                 float sum = 0.0f;
-                for (int64_t p = 0; p < n_pieces; ++p) sum += parts[(size_t) p * (size_t) (n_pad * T) + t * n_pad + s->pad0 + r];
-                yt[r] = sum;
+                for (int64_t cp = 0; cp < G.n_col; ++cp) {
+                    sum += parts[(size_t) (cp * G.n_row + rp) * (size_t) (n_pad * T) + t * n_pad + s->pad0 + r];
+                }
+                y[t * cm->n_out + s->row0 + r] = sum;
             }
         }
+        base += s->n_tiles;
     }
 }
 

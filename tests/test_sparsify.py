@@ -1,0 +1,185 @@
+"""`powerinfer sparsify` and input mode end to end, on the real SmolLM2-135M (Q4_1, Q8_0) and
+Qwen2.5-Coder-0.5B (Q5_0, Q8_0, Q4_K, Q6_K): the copy holds the input's every tensor and key
+plus the thresholds, the engine picks input mode up by itself, the kept share follows the
+calibration, and the logits follow the dense path. The operator itself is checked against
+numpy in tests/test_input_sparse.py.
+
+Tolerances: with every nonzero entry kept (threshold 0) the only difference from the dense
+path is how each engine quantizes a matrix's input to 8 bits (ggml per 32 or 256 entries
+with its own rounding of the step, ours per 32 or 256 with an f32 step), so the logits stay
+within a few percent of their range and the greedy tokens agree; with entries dropped, the
+KL divergence from the dense path grows with the sparsity, and what a model loses is the
+card's business (docs/input-sparsity.md), not a test's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+
+import numpy as np
+import pytest
+
+from powerinfer_py import Llama
+from powerinfer_py._core import Context, Model
+from powerinfer_py.pipeline import cli
+from powerinfer_py.pipeline.sparsify import (INPUTS, KEY_INPUT_THRESHOLDS, allocate, dropped_energy, sparsify,
+                                             threshold_for)
+
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+        "darkness was upon the face of the deep. def parse(line):\n    key, _, value = line.partition('=')\n"
+        "    return key.strip(), value.strip()\n") * 30
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _logits(path, tokens, **kw):
+    with Model(path, **kw) as m, Context(m, n_ctx=len(tokens) + 8, n_threads=2) as c:
+        out = []
+        for i, t in enumerate(tokens):
+            c.decode([t], i)
+            out.append(np.array(c.logits(-1), dtype=np.float64))
+        return np.array(out)
+
+
+def _log_softmax(x):
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    f = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    f.write_text(TEXT)
+    return str(f)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen"])
+def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, tmp_path):
+    src = smollm2_path if which == "smollm2" else qwen_path
+    before = _sha(src)
+    out = tmp_path / "sparse.gguf"
+    r = sparsify(src, str(out), 0.3, [corpus], n_tokens=512, progress=False)
+    assert _sha(src) == before  # the input is untouched
+    n_layer = r["thresholds"].shape[0]
+    # every tensor of the input, byte for byte, and the thresholds
+    import gguf
+
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(str(out))
+    ta = {t.name: bytes(t.data.tobytes()) for t in a.tensors}
+    tb = {t.name: bytes(t.data.tobytes()) for t in b.tensors}
+    assert ta == tb
+    assert list(b.get_field(KEY_INPUT_THRESHOLDS).contents()) == pytest.approx(r["thresholds"].reshape(-1).tolist())
+    # the byte-weighted sparsity is the target
+    s, nb = r["sparsity"], r["bytes"]
+    assert (s * nb).sum() / nb.sum() == pytest.approx(0.3, abs=1e-6)
+
+    with Model(str(out)) as m:
+        assert m.sparse_mode() == "input"
+        for il in range(n_layer):
+            for i in range(len(INPUTS)):
+                assert m.input_threshold(il, i) == pytest.approx(float(r["thresholds"][il, i]))
+                assert m.input_sparse(il, i)
+    with Model(str(out), sparse_mode="dense") as m:
+        assert m.sparse_mode() == "dense"
+
+    # on the calibration text, the kept share of each input follows its allocation
+    with Model(str(out)) as m, Context(m, n_ctx=160, n_threads=2) as c:
+        toks = m.tokenize(TEXT.encode(), True, False)[:150]
+        for pos, t in enumerate(toks):
+            c.decode([t], pos)
+        for i in range(len(INPUTS)):
+            kept = sum(c.input_stats(il, i)[0] for il in range(n_layer))
+            total = sum(c.input_stats(il, i)[1] for il in range(n_layer))
+            target = 1.0 - np.average(s[:, i], weights=np.ones(n_layer))
+            assert abs(kept / total - target) < 0.12, (INPUTS[i], kept / total, target)
+
+    # Llama and the CLI pick the mode up by themselves
+    llm = Llama(model_path=str(out), n_ctx=128, n_threads=2, verbose=False)
+    try:
+        assert llm.sparse_mode_in_use() == "input"
+        text = llm.create_completion("The earth was", max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert text.strip()
+        assert llm.sparse_stats()["mode"] == "input" and 0.4 < llm.sparse_stats()["active"] < 1.0
+    finally:
+        llm.close()
+
+
+def test_threshold_zero_follows_the_dense_path(qwen_path):
+    with Model(qwen_path, vocab_only=True) as m:
+        toks = m.tokenize(TEXT.encode(), True, False)[:40]
+    dense = _logits(qwen_path, toks, sparse_mode="dense")
+    sparse = _logits(qwen_path, toks, sparse_mode="input", sparse_threshold=0.0)
+    assert np.array_equal(dense[0], sparse[0])  # a sequence's first token runs dense
+    span = dense.max(axis=1) - dense.min(axis=1)
+    assert (np.abs(dense - sparse).max(axis=1) < 0.06 * span).all()
+    assert (dense.argmax(axis=1) == sparse.argmax(axis=1)).mean() >= 0.95
+
+
+def test_kl_grows_with_sparsity(smollm2_path):
+    with Model(smollm2_path, vocab_only=True) as m:
+        toks = m.tokenize(TEXT.encode(), True, False)[:40]
+    ref = _log_softmax(_logits(smollm2_path, toks, sparse_mode="dense"))[1:]
+    kls = []
+    for tau in (0.0, 0.02, 0.2):
+        lp = _log_softmax(_logits(smollm2_path, toks, sparse_mode="input", sparse_threshold=tau))[1:]
+        kls.append(float((np.exp(ref) * (ref - lp)).sum(axis=1).mean()))
+    assert kls[0] < kls[1] < kls[2], kls
+    assert kls[0] < 0.05
+
+
+def test_allocation():
+    # two inputs, one whose small entries carry little energy (heavy-tailed): greedy drops more there
+    lo, hi, n_bins = -8.0, 4.0, 480
+    edges = 10.0 ** np.linspace(lo, hi, n_bins + 1)
+    rng = np.random.default_rng(0)
+    heavy = np.histogram(np.abs(rng.standard_cauchy(200_000)) * 0.01, bins=edges)[0]
+    light = np.histogram(np.abs(rng.standard_normal(200_000)), bins=edges)[0]
+    counts = np.array([[light, heavy]], dtype=np.uint64)
+    nbytes = np.array([[1000.0, 1000.0]])
+    u = allocate(counts, lo, hi, nbytes, 0.4, "uniform")
+    g = allocate(counts, lo, hi, nbytes, 0.4, "greedy")
+    assert np.allclose(u, 0.4)
+    assert (g * nbytes).sum() / nbytes.sum() == pytest.approx(0.4)
+    assert g[0, 1] > 0.4 > g[0, 0]
+    e = lambda s, i: float(dropped_energy(counts[0, i], lo, hi, np.array([s]))[0])  # noqa: E731
+    assert e(g[0, 0], 0) + e(g[0, 1], 1) < e(0.4, 0) + e(0.4, 1)
+    # thresholds are the histogram's quantiles
+    for s in (0.1, 0.5, 0.9):
+        tau = threshold_for(light, lo, hi, s)
+        assert (np.abs(rng.standard_normal(100_000)) < tau).mean() == pytest.approx(s, abs=0.02)
+    with pytest.raises(Exception, match="sparsity"):
+        allocate(counts, lo, hi, nbytes, 1.0)
+
+
+def test_cli_end_to_end_with_card(smollm2_path, corpus, tmp_path, capsys):
+    held = tmp_path / "held.txt"
+    held.write_text("Whereas the parties agree that the licensee shall keep the notices intact. " * 20)
+    out = tmp_path / "s.gguf"
+    rc = cli.main(["sparsify", smollm2_path, "--sparsity", "0.25", "--out", str(out), "--corpus", corpus, "--n-tokens", "512",
+                   "--text", f"legal={held}", "--card-passages", "1", "--card-n-tokens", "48", "--no-speed"])
+    err = capsys.readouterr()
+    assert rc == 0, err.err
+    assert out.exists() and (tmp_path / "s.card.md").exists() and (tmp_path / "s.card.json").exists()
+    assert "| legal | input |" in err.out
+    # without held-out text there is no card, and the command says why
+    assert cli.main(["sparsify", smollm2_path, "--sparsity", "0.25", "--out", str(tmp_path / "t.gguf"), "--corpus", corpus]) == 1
+    assert "held-out" in capsys.readouterr().err
+    for bad in (["--sparsity", "1.0"], ["--sparsity", "-0.1"]):
+        assert cli.main(["sparsify", smollm2_path, *bad, "--out", str(tmp_path / "u.gguf"), "--corpus", corpus,
+                         "--no-card"]) == 1
+        assert not (tmp_path / "u.gguf").exists()
+
+
+def test_main_cli_runs_a_sparse_copy(smollm2_path, corpus, tmp_path, cli_path):
+    out = tmp_path / "s.gguf"
+    sparsify(smollm2_path, str(out), 0.3, [corpus], n_tokens=512, progress=False)
+    r = subprocess.run([str(cli_path), "-m", str(out), "-p", "The earth was", "-n", "12", "-t", "2", "--temp", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "sparse mode = input" in r.stderr and "sparse input =" in r.stderr
+    r = subprocess.run([str(cli_path), "-m", str(out), "-p", "x", "-n", "2", "--sparse-mode", "input", "--sparse-threshold", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "threshold" in r.stderr
