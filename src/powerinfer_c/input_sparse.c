@@ -1068,25 +1068,26 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     }
     op_barrier(op, nth);
 
-    // each row: the partials of the pieces whose tiles hold it, in column-piece order
-    int64_t base = 0;  // the segment's first tile
-    for (int k = 0; k < cm->n_segs; ++k) {
+    // each row: the partials of the pieces whose tiles hold it, in column-piece order; a
+    // tile's rows share their row piece. Threads take whole tiles.
+    for (int64_t g = G.n_tiles * ith / nth; g < G.n_tiles * (ith + 1) / nth; ++g) {
+        int k = 0;
+        int64_t base = 0;  // segment k's first tile
+        while (g >= base + cm->seg[k].n_tiles) base += cm->seg[k++].n_tiles;
         const struct pi_colmat_seg * s = &cm->seg[k];
-        const int64_t r0 = s->n_rows * ith / nth, r1 = s->n_rows * (ith + 1) / nth;
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t g = base + r / TILE;
-            int64_t rp = g * G.n_row / G.n_tiles;  // the row piece holding tile g
-            while (G.n_tiles * rp / G.n_row > g) --rp;
-            while (G.n_tiles * (rp + 1) / G.n_row <= g) ++rp;
-            for (int64_t t = 0; t < T; ++t) {
-                float sum = 0.0f;
-                for (int64_t cp = 0; cp < G.n_col; ++cp) {
-                    sum += parts[(size_t) (cp * G.n_row + rp) * (size_t) (n_pad * T) + t * n_pad + s->pad0 + r];
-                }
-                y[t * cm->n_out + s->row0 + r] = sum;
+        const int64_t r0 = (g - base) * TILE, r1 = r0 + TILE < s->n_rows ? r0 + TILE : s->n_rows;
+        int64_t rp = g * G.n_row / G.n_tiles;  // the row piece holding tile g
+        while (G.n_tiles * rp / G.n_row > g) --rp;
+        while (G.n_tiles * (rp + 1) / G.n_row <= g) ++rp;
+        for (int64_t t = 0; t < T; ++t) {
+            float * yt = y + t * cm->n_out + s->row0;
+            const float * part = parts + t * n_pad + s->pad0;
+            for (int64_t r = r0; r < r1; ++r) yt[r] = part[(size_t) rp * (size_t) (n_pad * T) + r];
+            for (int64_t cp = 1; cp < G.n_col; ++cp) {
+                const float * pp = part + (size_t) (cp * G.n_row + rp) * (size_t) (n_pad * T);
+                for (int64_t r = r0; r < r1; ++r) yt[r] += pp[r];
             }
         }
-        base += s->n_tiles;
     }
 }
 
