@@ -127,12 +127,19 @@ def input_bytes(model_path: str, n_layer: int) -> np.ndarray:
     return out
 
 
+# The least sparsity worth an input: below it, reading the kept columns costs as much as
+# reading them all (prepare, the scales of every chunk, the partial sums; docs/input-sparsity.md
+# has the measurements), so the greedy allocation leaves an input dense or drops at least this.
+S_MIN = 0.25
+
+
 def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, sparsity: float,
              method: str = "greedy") -> np.ndarray:
     """Per (layer, input) sparsity whose byte-weighted mean is `sparsity`. uniform: the same
     everywhere; greedy: minimise the summed dropped-energy shares for those bytes, each step
-    the input whose next STEP of sparsity costs the least energy per byte saved (optimal for
-    these convex curves)."""
+    the input whose next step of sparsity costs the least energy per byte saved (optimal for
+    these convex curves). An input's first step goes from 0 (dense) straight to S_MIN; the
+    last step is cut to land on the budget exactly."""
     if not 0.0 <= sparsity < 1.0:
         raise PipelineError(f"--sparsity must be in [0, 1), got {sparsity}")
     n_layer, n_in = nbytes.shape
@@ -140,26 +147,33 @@ def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, spars
         return np.full((n_layer, n_in), sparsity)
     if method != "greedy":
         raise PipelineError(f"--allocation must be greedy or uniform, got {method!r}")
-    grid = np.arange(0.0, 0.95 + 1e-9, STEP)
+    grid = np.concatenate([[0.0], np.arange(S_MIN, 0.95 + 1e-9, STEP)])
     curves = np.array([[dropped_energy(counts[il, i], lo, hi, grid) for i in range(n_in)] for il in range(n_layer)])
     level = np.zeros((n_layer, n_in), dtype=np.int64)
+    s = np.zeros((n_layer, n_in))
     target = sparsity * nbytes.sum()
-    saved = 0.0
-    while saved < target - 1e-6:
+    while True:
+        saved = (s * nbytes).sum()
+        if saved >= target - 1e-6:
+            break
         nxt = np.minimum(level + 1, len(grid) - 1)
         cost = np.take_along_axis(curves, nxt[..., None], axis=2)[..., 0] - np.take_along_axis(curves, level[..., None], axis=2)[..., 0]
-        gain = nbytes * STEP
+        gain = nbytes * (grid[nxt] - grid[level])
         price = np.where((level < len(grid) - 1) & (gain > 0), cost / np.maximum(gain, 1e-30), np.inf)
         il, i = np.unravel_index(int(np.argmin(price)), price.shape)
         if not np.isfinite(price[il, i]):
             break
-        step = min(gain[il, i], target - saved)
+        if saved + gain[il, i] > target:
+            if level[il, i] == 0:  # a whole first step would overshoot: finish on a sparse input instead
+                sparse_price = np.where(level > 0, price, np.inf)
+                if np.isfinite(sparse_price.min()):
+                    il, i = np.unravel_index(int(np.argmin(sparse_price)), price.shape)
+            if level[il, i] > 0:
+                s[il, i] += (target - saved) / nbytes[il, i]  # part of a step: the budget exactly
+                break
         level[il, i] += 1
-        saved += step
-    s = grid[level]
-    # the last step may overshoot the budget by a fraction of one step: scale it back exactly
-    total = (s * nbytes).sum()
-    return s * (target / total) if total > 0 else s
+        s[il, i] = grid[level[il, i]]
+    return s
 
 
 def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, method: str, progress: bool = True) -> None:
@@ -203,15 +217,15 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     n_layer = int(block_count.contents())
     t0 = time.time()
     nbytes = input_bytes(model_path, n_layer)
-    if sparsity == 0.0:  # nothing to calibrate: every nonzero entry is kept
+    if sparsity == 0.0:  # nothing to calibrate: nothing is dropped, every input runs dense
         used, s = 0, np.zeros((n_layer, len(INPUTS)))
-        taus = np.zeros((n_layer, len(INPUTS)), dtype=np.float32)
     else:
         texts = calibration_texts(corpus, samples, model_path, threads)
         counts, lo, hi, used = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
         s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
-        taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) for i in range(len(INPUTS))] for il in range(n_layer)],
-                        dtype=np.float32)
+    # an input with nothing to drop runs dense (a negative threshold); the others keep |x| > tau
+    taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else -1.0 for i in range(len(INPUTS))]
+                     for il in range(n_layer)], dtype=np.float32)
     write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
     return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
             "seconds": time.time() - t0}

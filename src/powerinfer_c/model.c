@@ -412,7 +412,7 @@ static int32_t resolve_input_thresholds(struct powerinfer_model * model) {
         }
         const float * v = gguf_get_arr_data(model->gguf, id);
         for (int64_t k = 0; k < n; ++k) {
-            if (!isfinite(v[k]) || v[k] < 0.0f) {
+            if (!isfinite(v[k])) {  // < 0: this input runs dense (sparsify's choice below its break-even)
                 return pi_fail(POWERINFER_ERR_FORMAT, "%s[%" PRId64 "] = %g is not a valid threshold", PI_KEY_INPUT_THRESHOLDS, k, v[k]);
             }
             model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT] = v[k];

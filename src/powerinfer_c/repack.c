@@ -629,7 +629,7 @@ int32_t pi_make_input_copies(struct powerinfer_model * model) {
         for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
             struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
             const int n = input_matrices(l, i, w);
-            bool mapped = n > 0;
+            bool mapped = n > 0 && !(l->in_tau[i] < 0.0f);  // a negative threshold: this input runs dense
             for (int k = 0; k < n; ++k) mapped &= w[k] && w[k]->buffer == model->buf_weights;
             const size_t bytes = mapped ? pi_colmat_plan(&l->in_cm[i], w, n) : 0;
             if (bytes == 0) {

@@ -274,8 +274,9 @@ POWERINFER_API int32_t powerinfer_model_n_packed(const struct powerinfer_model *
 POWERINFER_API const char * powerinfer_sparse_mode_name(int32_t mode);
 // The activation threshold of layer il in gate or predictor mode.
 POWERINFER_API float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, int32_t il);
-// Input mode: the threshold of input `input` (enum powerinfer_input) of layer il, and whether
-// its matrices run input-sparse (false: they run dense, e.g. a type with no column form).
+// Input mode: the threshold of input `input` (enum powerinfer_input) of layer il (< 0: it runs
+// dense), and whether its matrices run input-sparse (false: dense, by its threshold or a type
+// with no column form).
 POWERINFER_API float powerinfer_model_input_threshold(const struct powerinfer_model * model, int32_t il, int32_t input);
 POWERINFER_API bool  powerinfer_model_input_sparse(const struct powerinfer_model * model, int32_t il, int32_t input);
 // Name of the FFN activation in use ("silu", "relu", "gelu").
