@@ -64,14 +64,16 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
     r = sparsify(src, str(out), 0.3, [corpus], n_tokens=512, progress=False)
     assert _sha(src) == before  # the input is untouched
     n_layer = r["thresholds"].shape[0]
-    # every tensor of the input, byte for byte, and the thresholds
-    import gguf
+    if which == "smollm2":
+        # every tensor of the input, byte for byte, and the thresholds (the writer is the same for
+        # every model; gguf's reader takes a minute over Qwen's 151k-token vocabulary, so once)
+        import gguf
 
-    a, b = gguf.GGUFReader(src), gguf.GGUFReader(str(out))
-    ta = {t.name: bytes(t.data.tobytes()) for t in a.tensors}
-    tb = {t.name: bytes(t.data.tobytes()) for t in b.tensors}
-    assert ta == tb
-    assert list(b.get_field(KEY_INPUT_THRESHOLDS).contents()) == pytest.approx(r["thresholds"].reshape(-1).tolist())
+        a, b = gguf.GGUFReader(src), gguf.GGUFReader(str(out))
+        ta = {t.name: bytes(t.data.tobytes()) for t in a.tensors}
+        tb = {t.name: bytes(t.data.tobytes()) for t in b.tensors}
+        assert ta == tb
+        assert list(b.get_field(KEY_INPUT_THRESHOLDS).contents()) == pytest.approx(r["thresholds"].reshape(-1).tolist())
     # the byte-weighted sparsity is the target
     s, nb = r["sparsity"], r["bytes"]
     assert (s * nb).sum() / nb.sum() == pytest.approx(0.3, abs=1e-6)
@@ -89,7 +91,7 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
 
     # on the calibration text, the kept share of each input follows its allocation
     with Model(str(out)) as m, Context(m, n_ctx=160, n_threads=2) as c:
-        toks = m.tokenize(TEXT.encode(), True, False)[:150]
+        toks = m.tokenize(TEXT.encode(), True, False)[:96]
         for pos, t in enumerate(toks):
             c.decode([t], pos)
         for i in range(len(INPUTS)):

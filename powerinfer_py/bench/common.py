@@ -46,6 +46,23 @@ def spawn(fn: Callable[..., Dict[str, Any]], **kwargs: Any) -> Dict[str, Any]:
     raise ChildError(reason, (r.stderr or r.stdout).strip())
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set in MiB: the kernel's high-water mark of its own
+    address space (VmHWM). Not getrusage's ru_maxrss: on Linux that keeps the peak of the
+    image before exec, so a child spawned by a parent that had loaded a model reported the
+    parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def child_main(spec_json: str) -> int:
     """The child side of spawn(): runs the named function and prints its result line."""
     spec = json.loads(spec_json)

@@ -16,7 +16,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -24,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..assets.models import model_path as named_model_path
-from .common import ChildError, print_table, spawn
+from .common import ChildError, peak_rss_mib, print_table, spawn
 
 ENGINES = ("powerinfer", "llama-cpp-python")
 N_CTX = 512
@@ -142,7 +141,7 @@ def run_child(engine_name: str, model_path: str, threads: int, n_prompt: int, n_
         "prompt_tok_s": n_prompt / best_prompt_s,
         "decode_s": best_gen_s,
         "decode_tok_s": n_gen / best_gen_s,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mib": peak_rss_mib(),
         "weights_bytes": engine.weights_bytes,
         "file_bytes": os.path.getsize(model_path),
         "prompt_sha1": hashlib.sha1(np.asarray(prompt, dtype=np.int32).tobytes()).hexdigest(),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .common import ChildError, add_pair_arguments, missing_pair, print_table, spawn
+from .common import add_pair_arguments, ChildError, missing_pair, peak_rss_mib, print_table, spawn
 
 N_CTX = 512
 N_BATCH = 32  # decode-only benchmark: a short prompt, small compute buffers (both engines)
@@ -119,7 +118,7 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["decode_tok_s"] = _decode(llm.eval, llm._last_logits_view, llm.tokenize(PROMPT), spec["n_gen"])
         if spec.get("n_prompt"):
             out["prompt_tok_s"] = _prompt(llm.eval, llm.reset, _prompt_tokens(llm.tokenize, spec["n_prompt"]))
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    out["peak_rss_mib"] = peak_rss_mib()
     return out
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import numpy as np
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..assets.models import cache_dir
 from ..pipeline.evaluate import prompt_timer
-from .common import ChildError, print_table, spawn
+from .common import ChildError, peak_rss_mib, print_table, spawn
 
 INPUTS = ("qkv", "o", "ffn", "down")
 PROMPT_TEXT = (
@@ -156,7 +155,7 @@ def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int) ->
     llm.eval(_prompt(llm.tokenize, n_prompt))
     for _ in range(n_gen):
         llm.eval([int(np.argmax(last()))])
-    return {"load_s": t_load, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
 
 
 def quality(model: str, paths: Dict[str, str], domains: List[List[str]], passages: int, n_tokens: int,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -33,7 +32,7 @@ import numpy as np
 
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..pipeline.evaluate import prompt_timer
-from .common import ChildError, add_pair_arguments, missing_pair, print_table, spawn
+from .common import add_pair_arguments, ChildError, missing_pair, peak_rss_mib, print_table, spawn
 
 PROMPT_TEXT = (
     "In the beginning of the industrial age, the cities of northern England grew faster than anyone had "
@@ -159,7 +158,7 @@ def peak_rss(engine: str, path: str, mode: Optional[str], threads: int, n_prompt
     llm.eval(_prompt_tokens(lambda b: llm.tokenize(b), n_prompt))
     for _ in range(n_gen):
         llm.eval([int(np.argmax(last()))])
-    return {"load_s": t_load, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
 
 
 # ---- parent -------------------------------------------------------------------------------------
