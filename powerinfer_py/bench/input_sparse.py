@@ -58,16 +58,20 @@ def sparse_path(model: str, sparsity: float) -> str:
     return str(cache_dir() / "sparse" / f"{Path(model).stem}.input{round(100 * sparsity):02d}.gguf")
 
 
-def make_sparse(model: str, sparsity: float, corpus: Sequence[str], threads: int) -> str:
-    """The sparse copy of model at this sparsity, made once (sparsify) and reused."""
+def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], threads: int) -> Dict[str, str]:
+    """The sparse copies of model at these sparsities, made once (sparsify, one calibration
+    for all of them) and reused while newer than the model."""
     from ..pipeline.sparsify import sparsify
 
-    out = sparse_path(model, sparsity)
-    if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model):
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
-        sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads)
-    return out
+    paths, histograms = {}, None
+    for sparsity in sparsities:
+        out = paths[f"{sparsity:.2f}"] = sparse_path(model, sparsity)
+        if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model):
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
+            r = sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads, histograms=histograms)
+            histograms = r["histograms"] or histograms
+    return paths
 
 
 def _matrix_bytes(path: str, n_layer: int) -> np.ndarray:
@@ -215,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 1
     domains = [list(d) for d in parse_domains(a.text)] if a.text else []
-    paths = {f"{s:.2f}": make_sparse(a.model, s, a.corpus, a.threads) for s in sparsities}
+    paths = make_sparse(a.model, sparsities, a.corpus, a.threads)
     results: Dict[str, Any] = {"model": a.model, "threads": a.threads, "decode": {}, "prompt": {}, "rss": {}}
     try:
         for key, path in paths.items():

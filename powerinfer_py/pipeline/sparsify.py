@@ -206,7 +206,11 @@ def calibration_texts(corpus: Sequence[str], samples: int, model_path: str, thre
 
 
 def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
-             n_tokens: int = 8192, allocation: str = "greedy", threads: int = 2, progress: bool = True) -> Dict:
+             n_tokens: int = 8192, allocation: str = "greedy", threads: int = 2, progress: bool = True,
+             histograms: Optional[Tuple[np.ndarray, float, float, int]] = None) -> Dict:
+    """The sparse copy of model_path at this byte-weighted sparsity; `histograms` (the result
+    of a previous run's "histograms") skips the calibration, so one calibration serves
+    several sparsities."""
     if not os.path.isfile(model_path):
         raise PipelineError(f"model {model_path}: no such file")
     reader = open_gguf(model_path)
@@ -220,15 +224,17 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     if sparsity == 0.0:  # nothing to calibrate: nothing is dropped, every input runs dense
         used, s = 0, np.zeros((n_layer, len(INPUTS)))
     else:
-        texts = calibration_texts(corpus, samples, model_path, threads)
-        counts, lo, hi, used = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
+        if histograms is None:
+            texts = calibration_texts(corpus, samples, model_path, threads)
+            histograms = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
+        counts, lo, hi, used = histograms
         s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
     # an input with nothing to drop runs dense (a negative threshold); the others keep |x| > tau
     taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else -1.0 for i in range(len(INPUTS))]
                      for il in range(n_layer)], dtype=np.float32)
     write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
     return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
-            "seconds": time.time() - t0}
+            "histograms": histograms, "seconds": time.time() - t0}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
