@@ -28,6 +28,10 @@ EXIT_MISSING = 75
 
 def _corpus_mix(out: Path) -> None:
     env = {**os.environ, "MIX_CHARS_PER_SOURCE": str(CAP), "MIX_HELDOUT_CHARS": str(HELD_CAP)}
+    # corpus-mix runs system tools (man, groff, bible), never our library: under scripts/sanitize.sh
+    # the preloaded ASan runtime would be inherited by them, and groff aborts on its own
+    # alloc-dealloc mismatch (the render then never ends)
+    env.pop("LD_PRELOAD", None)
     r = subprocess.run([sys.executable, str(SCRIPT), "corpus-mix", str(out)], env=env, capture_output=True,
                        text=True, timeout=600)
     if r.returncode == EXIT_MISSING:
