@@ -199,6 +199,13 @@ class Model(Handle):
     def token_is_eog(self, token: int) -> bool:
         return bool(lib.powerinfer_token_is_eog(self.ptr, token))
 
+    def check_draft_vocab(self, draft: "Model", what: str) -> None:
+        """PowerInferError (a ValueError) unless `draft` proposes tokens in this model's
+        vocabulary (powerinfer_vocab_compatible); `what` starts the message."""
+        rc = lib.powerinfer_vocab_compatible(self.ptr, draft.ptr)
+        if rc != 0:
+            raise core_error(what, rc)
+
     def add_bos(self) -> bool:
         """Whether the vocabulary asks for BOS in front of a text."""
         return bool(lib.powerinfer_vocab_add_bos(self.ptr))

@@ -119,6 +119,12 @@ class Sampler(Handle):
         p.penalty_repeat = repeat_penalty
         p.penalty_freq = frequency_penalty
         p.penalty_present = presence_penalty
+        self._mirostat = mirostat_mode if temp > 0.0 and mirostat_mode in (1, 2) else 0
+        self.seed = int(seed) & 0xFFFFFFFF
+        self.greedy = temp == 0.0
+        # The draw without the state it keeps (penalties, grammar, processors): what a draft
+        # model samples its proposals with (draw_settings() below).
+        self._draw = dict(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p)
         p.mirostat_tau = mirostat_tau
         p.mirostat_eta = mirostat_eta
         if temp < 0.0:
@@ -164,26 +170,61 @@ class Sampler(Handle):
         if self.logits_processor is None and isinstance(ctx, Context):
             token = int(lib.powerinfer_sampler_sample(self.ptr, ctx.ptr, row))
         else:
-            logits = ctx.logits(row)
-            if self.logits_processor is not None:
-                # The processors work on this sampler's own copy, in a buffer kept from token
-                # to token: a fresh 200-600 KB array per token is a fresh mmap, whose pages
-                # fault in one by one (~0.15 ms of a ~5 ms step).
-                if self._scratch is None or self._scratch.shape != logits.shape:
-                    self._scratch = np.empty(logits.shape, dtype=np.float32)
-                np.copyto(self._scratch, logits)
-                logits = self._scratch
-                for processor in self.logits_processor:
-                    out = processor(input_ids, logits)
-                    if out is not logits:
-                        logits[:] = out
-            logits = np.ascontiguousarray(logits, dtype=np.float32)
+            # The processors work on this sampler's own copy, in a buffer kept from token to
+            # token: a fresh 200-600 KB array per token is a fresh mmap, whose pages fault in
+            # one by one (~0.15 ms of a ~5 ms step).
+            logits = self._processed(ctx, row, input_ids)
             token = int(lib.powerinfer_sampler_sample_logits(self.ptr, ffi.from_buffer("float[]", logits), self.n_vocab))
             if token >= 0 and lib.powerinfer_sampler_accept(self.ptr, token) != OK:
                 token = -1
         if token < 0:
             raise core_error("sampling failed")
         return token
+
+    def _processed(self, ctx: Any, row: int, input_ids: np.ndarray) -> np.ndarray:
+        """Logits row `row` after the Python logits processors (a copy when there are any)."""
+        logits = ctx.logits(row)
+        if self.logits_processor is not None:
+            if self._scratch is None or self._scratch.shape != logits.shape:
+                self._scratch = np.empty(logits.shape, dtype=np.float32)
+            np.copyto(self._scratch, logits)
+            logits = self._scratch
+            for processor in self.logits_processor:
+                out = processor(input_ids, logits)
+                if out is not logits:
+                    logits[:] = out
+        return np.ascontiguousarray(logits, dtype=np.float32)
+
+    def probs(self, ctx: Any, row: int, input_ids: np.ndarray) -> np.ndarray:
+        """The distribution sample() would draw from for logits row `row` (float32 [n_vocab];
+        one-hot when greedy), recording nothing: speculative decoding's acceptance rule.
+        PowerInferError for a Mirostat sampler."""
+        for check in self.checks:
+            check.check()
+        logits = self._processed(ctx, row, input_ids)
+        out = np.empty((self.n_vocab,), dtype=np.float32)
+        rc = lib.powerinfer_sampler_probs(self.ptr, ffi.from_buffer("float[]", logits), self.n_vocab,
+                                          ffi.from_buffer("float[]", out))
+        if rc != OK:
+            raise core_error("no distribution to sample from", rc)
+        return out
+
+    def draw_settings(self) -> Dict[str, Any]:
+        """Temperature and truncation of this sampler's draw (no penalties, grammar or
+        processors: state a draft cannot roll back), as Sampler keyword arguments."""
+        return dict(self._draw, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, penalty_last_n=0,
+                    repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+
+    @property
+    def has_distribution(self) -> bool:
+        """Whether probs() works (every chain but Mirostat's)."""
+        return self._mirostat == 0
+
+    def accept(self, token: int) -> None:
+        """Record a token chosen outside sample() (penalty history, grammar state)."""
+        rc = lib.powerinfer_sampler_accept(self.ptr, int(token))
+        if rc != OK:
+            raise core_error(f"token {token} cannot be accepted", rc)
 
     def reset(self) -> None:
         lib.powerinfer_sampler_reset(self.ptr)

@@ -491,3 +491,52 @@ void powerinfer_sampler_reset(struct powerinfer_sampler * s) {
         llama_sampler_reset(s->chain);
     }
 }
+
+int32_t powerinfer_sampler_probs(struct powerinfer_sampler * s, const float * logits, int32_t n_vocab, float * probs) {
+    pi_clear_error();
+    if (!s || !logits || !probs || n_vocab != s->n_vocab) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_probs: expected %d logits and room for as many "
+                       "probabilities", s ? s->n_vocab : 0);
+    }
+    if (s->params.mirostat != 0 && s->params.temp > 0.0f) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_sampler_probs: a Mirostat sampler has no fixed distribution");
+    }
+    memset(probs, 0, (size_t) n_vocab * sizeof(float));
+    if (s->params.temp <= 0.0f) {
+        const powerinfer_token tok = powerinfer_sampler_sample_logits(s, logits, n_vocab);
+        if (tok < 0) {
+            return POWERINFER_ERR_INVALID_ARG;
+        }
+        probs[tok] = 1.0f;
+        return POWERINFER_OK;
+    }
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        s->cand[i] = (llama_token_data) { .id = i, .logit = logits[i], .p = 0.0f };
+    }
+    llama_token_data_array arr = { .data = s->cand, .size = (size_t) n_vocab, .selected = -1, .sorted = false };
+    // Every sampler of the chain but its last, the draw (dist), which is a softmax and a draw.
+    const int32_t n = llama_sampler_chain_n(s->chain);
+    char err[256] = "";
+    for (int32_t k = 0; k + 1 < n; ++k) {
+        if (!pi_llama_sampler_apply(llama_sampler_chain_get(s->chain, k), &arr, err, sizeof(err))) {
+            return pi_fail(POWERINFER_ERR_INTERNAL, "the sampler chain failed: %s", err);
+        }
+    }
+    float max = -INFINITY;
+    for (size_t i = 0; i < arr.size; ++i) {
+        max = arr.data[i].logit > max ? arr.data[i].logit : max;
+    }
+    if (max == -INFINITY) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, s->has_grammar
+                       ? "the grammar allows no token here: no token of the vocabulary can continue it"
+                       : "every token has a logit of -inf: nothing can be sampled");
+    }
+    double sum = 0.0;
+    for (size_t i = 0; i < arr.size; ++i) {
+        sum += expf(arr.data[i].logit - max);
+    }
+    for (size_t i = 0; i < arr.size; ++i) {
+        probs[arr.data[i].id] = (float) (expf(arr.data[i].logit - max) / sum);
+    }
+    return POWERINFER_OK;
+}

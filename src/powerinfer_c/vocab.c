@@ -225,3 +225,38 @@ int32_t powerinfer_detokenize(const struct powerinfer_model * model, const power
     }
     return llama_detokenize(model->vocab, tokens, n_tokens, text, text_len_max, remove_special, unparse_special);
 }
+
+// llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE and SPEC_VOCAB_CHECK_START_TOKEN_ID: the sizes of
+// one family's vocabularies differ by the padding of their embedding matrices, and their first
+// control tokens harmlessly.
+#define PI_VOCAB_MAX_SIZE_DIFFERENCE 128
+#define PI_VOCAB_CHECK_START         5
+
+int32_t powerinfer_vocab_compatible(const struct powerinfer_model * target, const struct powerinfer_model * draft) {
+    pi_clear_error();
+    if (!target || !draft || !target->vocab || !draft->vocab) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_vocab_compatible: a model without a vocabulary");
+    }
+    const struct llama_vocab * t = target->vocab, * d = draft->vocab;
+    if (llama_vocab_type(t) != llama_vocab_type(d)) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "the vocabularies are of different types (%d and %d)",
+                       (int) llama_vocab_type(t), (int) llama_vocab_type(d));
+    }
+    const int32_t n_t = llama_vocab_n_tokens(t), n_d = llama_vocab_n_tokens(d);
+    if (abs(n_t - n_d) > PI_VOCAB_MAX_SIZE_DIFFERENCE) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "the vocabularies have %d and %d tokens", n_t, n_d);
+    }
+    if (llama_vocab_bos(t) != llama_vocab_bos(d) || llama_vocab_eos(t) != llama_vocab_eos(d)) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "BOS/EOS are %d/%d in the target and %d/%d in the draft",
+                       llama_vocab_bos(t), llama_vocab_eos(t), llama_vocab_bos(d), llama_vocab_eos(d));
+    }
+    const int32_t n = n_t < n_d ? n_t : n_d;
+    for (int32_t id = PI_VOCAB_CHECK_START; id < n; ++id) {
+        const char * a = llama_vocab_get_text(t, id), * b = llama_vocab_get_text(d, id);
+        if (strcmp(a ? a : "", b ? b : "") != 0) {
+            return pi_fail(POWERINFER_ERR_INVALID_ARG, "token %d is '%.40s' in the target and '%.40s' in the draft", id,
+                           a ? a : "", b ? b : "");
+        }
+    }
+    return POWERINFER_OK;
+}

@@ -305,6 +305,11 @@ POWERINFER_API int32_t powerinfer_token_to_piece(const struct powerinfer_model *
 POWERINFER_API int32_t powerinfer_detokenize(const struct powerinfer_model * model, const powerinfer_token * tokens,
                                              int32_t n_tokens, char * text, int32_t text_len_max,
                                              bool remove_special, bool unparse_special);
+// POWERINFER_OK if `draft` proposes tokens in `target`'s vocabulary (speculative decoding's
+// draft model: llama.cpp's rule): the same vocabulary type, BOS and EOS, sizes within 128 of each
+// other (padding) and the same text for every token id from 5 on that both have. Else
+// INVALID_ARG, with the first difference in the error message.
+POWERINFER_API int32_t powerinfer_vocab_compatible(const struct powerinfer_model * target, const struct powerinfer_model * draft);
 
 // ---- context ---------------------------------------------------------------
 POWERINFER_API struct powerinfer_context_params powerinfer_context_default_params(void);
@@ -528,6 +533,14 @@ POWERINFER_API powerinfer_token powerinfer_sampler_sample_logits(struct powerinf
 // INVALID_ARG for a token outside the vocabulary or one the grammar cannot take.
 POWERINFER_API int32_t powerinfer_sampler_accept(struct powerinfer_sampler * smpl, powerinfer_token token);
 POWERINFER_API void powerinfer_sampler_reset(struct powerinfer_sampler * smpl);
+// The distribution the sampler would draw its next token from, given logits (n_vocab floats):
+// every step of the chain but the draw (logit bias, grammar, penalties, top-k/typical/top-p/
+// min-p, temperature), then a softmax over the candidates left; probs[n_vocab] gets it (0 for
+// the tokens removed). A greedy chain gives its pick's one-hot. Records nothing. Speculative
+// decoding's acceptance rule reads it (docs/speculative.md). INVALID_ARG for a Mirostat chain
+// (its draw adapts to what it drew) and when nothing can be sampled.
+POWERINFER_API int32_t powerinfer_sampler_probs(struct powerinfer_sampler * smpl, const float * logits, int32_t n_vocab,
+                                                float * probs);
 
 // POWERINFER_CDEF_END
 
