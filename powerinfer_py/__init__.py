@@ -24,6 +24,8 @@ __all__ = [
     "LlamaDiskCache",
     "LogitsProcessorList",
     "StoppingCriteriaList",
+    "LlamaDraftModel",
+    "LlamaPromptLookupDecoding",
     "PowerInferError",
     "gpu_count",
     "install_as_llama_cpp",
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from llama_cpp.llama import LlamaState, LogitsProcessorList, StoppingCriteriaList
     from llama_cpp.llama_cache import LlamaCache, LlamaDiskCache, LlamaRAMCache
     from llama_cpp.llama_grammar import LlamaGrammar
+    from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
     from . import llama_cache, llama_chat_format, llama_grammar, llama_types
     from ._core.devices import gpu_count
@@ -54,6 +57,8 @@ _FROM_UPSTREAM = {
     "LlamaCache": "llama_cache",
     "LlamaRAMCache": "llama_cache",
     "LlamaDiskCache": "llama_cache",
+    "LlamaDraftModel": "llama_speculative",
+    "LlamaPromptLookupDecoding": "llama_speculative",
 }
 _SUBMODULES = ("llama_types", "llama_chat_format", "llama_grammar", "llama_cache")
 

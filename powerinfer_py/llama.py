@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import sys
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Dict, Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -29,6 +29,8 @@ from ._llama import embedding as _embedding
 from ._llama import fallback as _fallback_engine
 from ._llama import generation as _generation
 from ._llama import loading as _loading
+from ._llama import sequence as _sequence
+from ._llama import speculative as _speculative
 from ._llama import state as _state
 from ._llama import tokenizer as _tokenizer
 from ._llama import upstream as _upstream
@@ -142,8 +144,13 @@ class Llama:
         activation_dir: Optional[str] = None,
         reset_gpu_index: bool = False,
         emulate_device: bool = False,
-        repack: bool = True,
-        pack_dense: bool = False,
+        repack: Optional[bool] = None,
+        pack_dense: Optional[bool] = None,
+        batch_invariant: Optional[bool] = None,
+        draft_model_path: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
+        draft_p_min: Optional[float] = None,
         **kwargs: Any,  # accepted and ignored, as upstream does (LangChain passes n_parts, f16_kv, ...)
     ):
         """Load a model. The parameters are llama_cpp.Llama's (see its documentation),
@@ -180,13 +187,28 @@ class Llama:
                 x86), as llama.cpp does (llama.cpp's --no-repack is repack=False). Their
                 4-column kernels round a batch column differently from a lone one, so a
                 ParallelLlama is bit-exact against solo runs only with repack=False (the
-                server sets it with --n_parallel > 1); docs/parallel.md.
+                server sets it with --n_parallel > 1); docs/parallel.md. None: not
+                batch_invariant.
             pack_dense: Dense matmul weights of types Q4_0, Q4_1 and Q8_0 in PowerInfer's
                 packed AVX-512 VNNI layout: each batch column computed alone (a ParallelLlama's
                 streams equal their solo runs bit for bit) and a batch of several sequences'
                 tokens for little more than one token; the server sets it with --n_parallel > 1.
-                Its rounding is not ggml's: keep the default (False) for logits equal to
-                llama-cpp-python's. No effect on CPUs without AVX-512 VNNI; docs/parallel.md.
+                Its rounding is not ggml's: keep it off for logits equal to llama-cpp-python's.
+                No effect on CPUs without AVX-512 VNNI; docs/parallel.md. None: batch_invariant.
+            batch_invariant: Compute every token as it is computed alone, whatever else is in
+                its batch: the packed kernels (pack_dense), no repacked weights, the slots'
+                attention. On by default with a draft (draft_model or draft_model_path), so a
+                speculative generation gives the tokens of one without drafts (on dense models
+                bit for bit); off otherwise, for logits equal to llama-cpp-python's.
+            draft_model: llama-cpp-python's LlamaDraftModel (LlamaPromptLookupDecoding, or any
+                callable from the held token ids to proposed ones): speculative decoding,
+                docs/speculative.md.
+            draft_model_path: A smaller model on the same vocabulary that drafts tokens
+                (llama.cpp's -md); a draft with another vocabulary raises ValueError.
+            draft_max, draft_min, draft_p_min: llama.cpp's --draft-max (tokens drafted per
+                step; default 16, for draft_model the count it proposes), --draft-min (fewer
+                drafted tokens are not checked; default 0) and --draft-p-min (a draft model
+                stops drafting below this probability of its best token; default 0.75).
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
@@ -196,7 +218,6 @@ class Llama:
 
         llama-cpp-python parameters that change nothing here (GPU split, NUMA, n_ubatch,
         YaRN details, ...) and unknown keyword arguments are accepted and ignored.
-        `draft_model` is ignored: speculative decoding does not change the output.
 
         Raises:
             ValueError: The path does not exist, a parameter is out of range, or the model
@@ -208,6 +229,7 @@ class Llama:
         self._model: Optional[Model] = None
         self._ctx: Optional[Context] = None
         self._fallback = None
+        self._drafter: Optional[_speculative.Drafter] = None
         self._init_params = init_params
 
         self.model_path = model_path
@@ -216,6 +238,10 @@ class Llama:
         _loading.check_arguments(sparse_mode=sparse_mode, sparse_threshold=sparse_threshold, vram_budget=vram_budget,
                                 n_ctx=n_ctx, n_batch=n_batch, split_mode=split_mode, tensor_split=tensor_split,
                                 rpc_servers=rpc_servers)
+        draft_params = _loading.draft_params(draft_model, draft_model_path, draft_max, draft_min, draft_p_min)
+        if batch_invariant is None:
+            batch_invariant = draft_params is not None
+        self.batch_invariant = bool(batch_invariant)
         self.sparse_mode = sparse_mode
         self.sparse_threshold = sparse_threshold
         self.vram_budget = vram_budget
@@ -237,6 +263,10 @@ class Llama:
                 raise ValueError(f"{reason} (pass fallback=True to run on {ENGINE_LLAMA_CPP})")
             self._load_fallback(reason, upstream_params)
             return
+        if repack is None:
+            repack = not self.batch_invariant
+        if pack_dense is None:
+            pack_dense = self.batch_invariant
 
         set_log_level(verbose)
         try:
@@ -259,54 +289,104 @@ class Llama:
                 self.close()
                 raise
 
+        self._attach(self._model, n_threads, n_threads_batch, None)
+        if not vocab_only and draft_params is not None:
+            try:
+                self._drafter = _loading.make_drafter(self, draft_model, draft_model_path, draft_params)
+            except (ValueError, PowerInferError):
+                self.close()
+                raise
+        if verbose:
+            _loading.print_banner(self, self._model.arch(), vocab_only, self._drafter)
+
+    @classmethod
+    def _over_sequence(cls, base: "Llama", model: Model, backend: _sequence.SequenceBackend, owner: Any,
+                       drafter: Optional[_speculative.Drafter]) -> "Llama":
+        """A Llama on `base`'s model that generates in `backend`, another sequence of it (a
+        ParallelLlama slot, `owner`, which owns the model handle and the context): built from
+        base's constructor arguments by the code that built base, with its own sequence,
+        sampler, seed, prompt cache and drafter; the vocabulary's and chat templates' objects
+        are base's."""
+        self = cls.__new__(cls)
+        self._fallback = None
+        self._drafter = None
+        self._slot_of = owner
+        self._init_params = base._init_params
+        self.batch_invariant = True  # the pool's context (docs/parallel.md)
+        self._attach(model, base.n_threads, base.n_threads_batch, backend, shared=base)
+        self._drafter = drafter
+        return self
+
+    def _attach(self, model: Model, n_threads: int, n_threads_batch: int,
+                backend: Optional[_sequence.SequenceBackend], shared: Optional["Llama"] = None) -> None:
+        """Everything a Llama knows of its loaded model (vocabulary, metadata, chat handlers,
+        settings from its constructor's arguments), and the sequence it generates in: a context
+        of its own (backend None), or `backend`, another sequence of the same model (a
+        ParallelLlama slot), whose pieces, metadata and chat handlers are those of `shared`."""
+        p = self._init_params
+        n_ctx, n_batch, seed = p["n_ctx"], p["n_batch"], p["seed"]
+        self.model_path = p["model_path"]
+        self.verbose = p["verbose"]
+        self.engine = ENGINE_POWERINFER
+        self.sparse_mode, self.sparse_threshold, self.vram_budget = p["sparse_mode"], p["sparse_threshold"], p["vram_budget"]
+        self._model = model
+        self.model_params = model.params
         self.n_batch = min(n_ctx, n_batch) if n_ctx > 0 else n_batch
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
         self._seed = seed or LLAMA_DEFAULT_SEED
-        self._logits_all = logits_all
-        self.last_n_tokens_size = last_n_tokens_size
-        self.spm_infill = spm_infill
-        self.lora_base, self.lora_scale, self.lora_path = lora_base, lora_scale, lora_path
-        self.tensor_split = tensor_split
-        self.kv_overrides = kv_overrides
-        self.numa = numa
-        self.draft_model = draft_model  # not used: speculative decoding does not change the output
+        self._logits_all = p["logits_all"]
+        self.last_n_tokens_size = p["last_n_tokens_size"]
+        self.spm_infill = p["spm_infill"]
+        self.lora_base, self.lora_scale, self.lora_path = p["lora_base"], p["lora_scale"], p["lora_path"]
+        self.tensor_split = p["tensor_split"]
+        self.kv_overrides = p["kv_overrides"]
+        self.numa = p["numa"]
+        self.draft_model = p["draft_model"]
         self.cache = None
-        self._sampler = None
 
-        self._pieces: Dict[tuple, bytes] = {}  # (token, special) -> text: the vocabulary never changes
-        self._n_vocab = self._model.n_vocab()
-        self._token_eos = self._model.token_eos()
-        self._token_bos = self._model.token_bos()
-        try:
-            self.metadata: Dict[str, str] = self._model.metadata()
-        except Exception as e:  # as upstream: a metadata problem does not stop the model
-            self.metadata = {}
-            if verbose:
-                print(f"Failed to load metadata: {e}", file=sys.stderr)
-        arch = self._model.arch()
+        # (token, special) -> text: the vocabulary never changes
+        self._pieces: Dict[tuple, bytes] = shared._pieces if shared is not None else {}
+        self._n_vocab = model.n_vocab()
+        self._token_eos = model.token_eos()
+        self._token_bos = model.token_bos()
+        if shared is not None:
+            self.metadata: Dict[str, str] = shared.metadata
+        else:
+            try:
+                self.metadata = model.metadata()
+            except Exception as e:  # as upstream: a metadata problem does not stop the model
+                self.metadata = {}
+                if self.verbose:
+                    print(f"Failed to load metadata: {e}", file=sys.stderr)
+        pooling_type = p["pooling_type"]
         if pooling_type == LLAMA_POOLING_TYPE_UNSPECIFIED:
-            pooling_type = int(self.metadata.get(f"{arch}.pooling_type", LLAMA_POOLING_TYPE_NONE))
+            pooling_type = int(self.metadata.get(f"{model.arch()}.pooling_type", LLAMA_POOLING_TYPE_NONE))
         self._pooling_type = pooling_type
-        self.tokenizer_ = tokenizer or _tokenizer.CoreTokenizer(self)
+        self.tokenizer_ = p["tokenizer"] or _tokenizer.CoreTokenizer(self)
         self._token_nl = self.token_nl()
 
-        self.n_tokens = 0
-        self._requires_eval = True
         self._n_ctx = 0
         self.context_params = None
-        if not vocab_only:
-            self._new_context(n_ctx, seed, flash_attn, embedding)
-        # Tokens held in the KV cache (input_ids[:n_tokens]) and, with logits_all, the
-        # logits after each of them (scores[:n_tokens]), as upstream.
-        self.input_ids: np.ndarray = np.zeros((self._n_ctx,), dtype=np.intc)
-        self.scores: np.ndarray = np.zeros(
-            (self._n_ctx if logits_all else self.n_batch, self._n_vocab), dtype=np.single
-        )
-
-        _chat.setup(self, chat_format, chat_handler)
-        if verbose:
-            _loading.print_banner(self, arch, vocab_only, draft_model)
+        if backend is not None:
+            self._ctx = backend  # type: ignore[assignment]
+            self._n_ctx = backend.n_ctx()
+            self.context_params = backend.params
+        elif not p["vocab_only"]:
+            self._new_context(n_ctx, seed, p["flash_attn"], p["embedding"])
+        # The tokens held in the KV cache and, with logits_all, the logits after each (as
+        # upstream's input_ids, n_tokens and scores, which are views of it).
+        self._seq = _sequence.Sequence(self._ctx, self._n_ctx, self._n_vocab, keep_scores=self._logits_all,
+                                       score_rows=self.n_batch)
+        # The largest batch a draft's check may take: a sparse model's larger batches run the
+        # dense FFN (docs/speculative.md).
+        self._draft_batch_max = (self._ctx.sparse_max_batch() if self._ctx is not None and
+                                 model.sparse_mode() not in ("dense",) else 1 << 30)
+        if shared is not None:
+            self.chat_format, self.chat_handler = shared.chat_format, shared.chat_handler
+            self._chat_handlers = shared._chat_handlers
+        else:
+            _chat.setup(self, p["chat_format"], p["chat_handler"])
 
     @property
     def failed(self) -> bool:
@@ -341,12 +421,14 @@ class Llama:
         }
 
     def _new_context(self, n_ctx: int, seed: int, flash_attn: Optional[bool], embedding: bool) -> None:
+        if self.batch_invariant:
+            flash_attn = True  # the slots' attention, which is flash attention's place in the graph
         try:
             ctx = Context(
                 self._model, n_ctx=n_ctx, n_batch=self.n_batch, seed=(seed or LLAMA_DEFAULT_SEED) & 0xFFFFFFFF,
                 n_threads=self.n_threads, n_threads_batch=self.n_threads_batch,
                 flash_attn=-1 if flash_attn is None else int(bool(flash_attn)),
-                embeddings=embedding,
+                embeddings=embedding, batch_invariant=self.batch_invariant,
             )  # fmt: skip
         except PowerInferError:
             self.close()
@@ -357,6 +439,9 @@ class Llama:
         self._n_ctx = ctx.n_ctx()
 
     def _load_fallback(self, core_message: str, params: Dict[str, Any]) -> None:
+        if self._init_params.get("draft_model_path") is not None:
+            raise ValueError(f"draft_model_path needs the powerinfer engine, and {core_message} "
+                             f"(llama-cpp-python's engine takes draft_model=LlamaPromptLookupDecoding(...))")
         _fallback_engine.load(self, core_message, params)
 
     def __getattr__(self, name: str):
@@ -370,11 +455,19 @@ class Llama:
     # ---- lifetime ------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the context and the model now (idempotent)."""
+        """Free the context and the model now (idempotent); a ParallelLlama slot's belong to
+        its pool, which frees them."""
         if self.__dict__.get("_fallback") is not None:
             self._fallback.close()
             self._fallback = None
-        self._sampler = None
+        seq = self.__dict__.get("_seq")
+        if seq is not None:
+            seq.sampler = None
+        if self.__dict__.get("_drafter") is not None:
+            self._drafter.close()
+            self._drafter = None
+        if self.__dict__.get("_slot_of") is not None:
+            return
         if self.__dict__.get("_ctx") is not None:
             self._ctx.close()
             self._ctx = None
@@ -430,29 +523,91 @@ class Llama:
             return fallback.model
         return self._model.ptr if self._model is not None else None
 
+    # Upstream's token bookkeeping (input_ids, n_tokens, scores), kept by the Llama's Sequence;
+    # on the fallback engine, the wrapped Llama's.
+
+    def _sequence_or_fallback(self, name: str) -> Optional[_sequence.Sequence]:
+        seq = self.__dict__.get("_seq")
+        if seq is None:
+            self.__getattr__(name)  # the fallback's attribute, or AttributeError
+        return seq
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """Token ids of the KV cache's positions (input_ids[:n_tokens] are held)."""
+        seq = self._sequence_or_fallback("input_ids")
+        return self._fallback.input_ids if seq is None else seq.input_ids
+
+    @property
+    def n_tokens(self) -> int:
+        seq = self._sequence_or_fallback("n_tokens")
+        return self._fallback.n_tokens if seq is None else seq.n_tokens
+
+    @n_tokens.setter
+    def n_tokens(self, value: int) -> None:
+        seq = self._sequence_or_fallback("n_tokens")
+        if seq is None:
+            self._fallback.n_tokens = value
+        else:
+            seq.n_tokens = int(value)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """With logits_all, the logits after each held token (scores[:n_tokens])."""
+        seq = self._sequence_or_fallback("scores")
+        return self._fallback.scores if seq is None else seq.scores
+
     @property
     def _input_ids(self) -> np.ndarray:
         fallback = self.__dict__.get("_fallback")
-        return fallback._input_ids if fallback is not None else self.input_ids[: self.n_tokens]
+        return fallback._input_ids if fallback is not None else self._seq.tokens
 
     @property
     def _scores(self) -> np.ndarray:
         fallback = self.__dict__.get("_fallback")
-        return fallback._scores if fallback is not None else self.scores[: self.n_tokens, :]
+        return fallback._scores if fallback is not None else self._seq.scores[: self._seq.n_tokens, :]
 
     @property
     def eval_tokens(self) -> Deque[int]:
         fallback = self.__dict__.get("_fallback")
         if fallback is not None:
             return fallback.eval_tokens
-        return deque(self.input_ids[: self.n_tokens].tolist(), maxlen=self._n_ctx)
+        return deque(self._seq.tokens.tolist(), maxlen=self._n_ctx)
 
     @property
     def eval_logits(self) -> Deque[List[float]]:
         fallback = self.__dict__.get("_fallback")
         if fallback is not None:
             return fallback.eval_logits
-        return deque(self.scores[: self.n_tokens, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+        return deque(self._scores.tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+
+    def _override_draft(self, draft_max: Optional[int] = None, draft_min: Optional[int] = None,
+                        draft_p_min: Optional[float] = None) -> Callable[[], None]:
+        """The drafting parameters with those given changed, for one request (the server's
+        speculative.n_max/n_min/p_min); returns the function that restores them. ValueError
+        for values that do not go together. Without a draft, nothing changes."""
+        drafter = self.__dict__.get("_drafter")
+        if drafter is None:
+            return lambda: None
+        old = drafter.params
+        drafter.params = _speculative.DraftParams(
+            n_max=old.n_max if draft_max is None else draft_max,
+            n_min=old.n_min if draft_min is None else draft_min,
+            p_min=old.p_min if draft_p_min is None else draft_p_min,
+        )
+
+        def restore() -> None:
+            drafter.params = old
+
+        return restore
+
+    def speculative_stats(self) -> Dict[str, Any]:
+        """Counters of speculative decoding since the model was loaded: verify steps (decodes of
+        a sampled token with its drafts), tokens drafted and accepted, tokens those steps gave,
+        the acceptance rate and tokens per verify step (None before any step). All zero
+        without a draft."""
+        drafter = self.__dict__.get("_drafter")
+        return (drafter.stats if drafter is not None else _speculative.SpeculativeStats()).as_dict()
 
     # ---- model and vocabulary --------------------------------------------------
 
@@ -578,12 +733,11 @@ class Llama:
     @_delegates
     def reset(self) -> None:
         """Forget the evaluated tokens (the KV cache is overwritten from position 0)."""
-        self.n_tokens = 0
-        self._requires_eval = True
+        self._seq.reset()
 
     def _last_logits_view(self) -> np.ndarray:
         """The logits after the last evaluated token (zeros before any decode), as a view."""
-        return _generation.last_logits_view(self)
+        return self._seq.last_logits()
 
     @_delegates
     def eval(self, tokens: Sequence[int]) -> None:
@@ -655,6 +809,20 @@ class Llama:
         bad sampling parameter raises ValueError at the call, not at the first token.
         """
         return _generation.generate(self, tokens, reset, stopping_criteria, **_generation.sampler_args(locals()))
+
+    def _generate_completion(self, tokens: List[int], n_predict: int, reads_rows: bool,
+                             **kwargs: Any) -> Generator[int, Optional[Sequence[int]], None]:
+        """generate() for create_completion: it takes at most n_predict tokens and reads the
+        score rows only if reads_rows (logprobs), which lets a ParallelLlama slot sample it
+        ahead in the core."""
+        if type(self).generate is not Llama.generate or "generate" in self.__dict__:
+            # A generate() of a subclass or of this object runs, as upstream's would.
+            return self.generate(tokens, **kwargs)
+        stopping_criteria = kwargs.pop("stopping_criteria", None)
+        kwargs.pop("tfs_z", None)
+        kwargs.pop("penalize_nl", None)
+        return _generation.generate(self, tokens, kwargs.pop("reset", True), stopping_criteria, n_predict=n_predict,
+                                    reads_rows=reads_rows, **kwargs)
 
     # ---- state -------------------------------------------------------------------
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import random
 import threading
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
@@ -55,8 +54,9 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ._core import Batcher, Context, PowerInferError, Sampler, release_threads
-from ._llama import generation
-from ._llama import tokenizer as _tokenizer
+from ._llama.sequence import Sequence as SequenceState
+from ._llama.sequence import common_prefix
+from ._llama.speculative import SpeculativeStats
 from .llama import Llama
 
 __all__ = ["ParallelLlama"]
@@ -70,16 +70,14 @@ _LOOKAHEAD = 16
 _MAX_GATHER_MS = 20.0
 
 
-class _SequenceContext:
-    """What a Llama needs of its Context, for one sequence of the pool's context."""
+class SlotBackend:
+    """One sequence of the pool's context, the backend of a slot's Sequence
+    (sequence.SequenceBackend): decoded by the pool's batcher. It also lets generation.generate
+    run a generation ahead in the core (run_ahead), in lockstep with the batcher's steps
+    (lockstep), and start from an idle slot's prefix (adopt_prefix)."""
 
-    def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int, keeps_rows: bool):
-        self._pool, self.seq, self._n_ctx = pool, seq, n_ctx
-        # The slot's score rows (logits_all) are those of its first n_scored positions: rows
-        # decoded and copied in Python; a run ahead, a truncation or an adopted prefix
-        # leaves later ones unwritten or stale.
-        self._keeps_rows = keeps_rows
-        self.n_scored = 0
+    def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int):
+        self._pool, self.seq_id, self._n_ctx = pool, seq, n_ctx
         self._logits = np.zeros((0, pool.n_vocab), dtype=np.float32)
         self._row = np.empty((1, pool.n_vocab), dtype=np.float32)  # a generation step's row, reused
         self.params = pool._ctx.params
@@ -89,6 +87,9 @@ class _SequenceContext:
 
     def n_batch(self) -> int:
         return self._pool._ctx.n_batch()
+
+    def sparse_max_batch(self) -> int:
+        return self._pool._ctx.sparse_max_batch()
 
     def n_outputs(self) -> int:
         return len(self._logits)
@@ -100,14 +101,8 @@ class _SequenceContext:
         n_rows = len(tokens) if logits_all else 1
         out = self._row if n_rows == 1 else np.empty((n_rows, self._pool.n_vocab), dtype=np.float32)
         self._logits = self._logits[:0]  # a failed decode leaves no logits
-        self.forget_rows_from(pos)
-        self._pool._batcher.decode(self.seq, tokens, pos, logits_all, out)
+        self._pool._batcher.decode(self.seq_id, tokens, pos, logits_all, out)
         self._logits = out
-        if self._keeps_rows and logits_all and pos == self.n_scored:
-            self.n_scored = pos + len(tokens)  # eval_tokens copies them into the slot's scores
-
-    def forget_rows_from(self, pos: int) -> None:
-        self.n_scored = min(self.n_scored, pos)
 
     def logits(self, row: int = -1, n_rows: int = 1) -> np.ndarray:
         n = len(self._logits)
@@ -117,12 +112,25 @@ class _SequenceContext:
         return self._logits[start] if n_rows == 1 else self._logits[start : start + n_rows]
 
     def kv_pos(self) -> int:
-        return self._pool._with_ctx(lambda ctx: ctx.kv_seq_pos_max(self.seq) + 1)
+        return self._pool._with_ctx(lambda ctx: ctx.kv_seq_pos_max(self.seq_id) + 1)
 
     def kv_truncate(self, n_keep: int) -> None:
         # Queued: applied before the next step, without waiting for the one being computed.
-        self.forget_rows_from(n_keep)
-        self._pool._batcher.kv_keep(self.seq, n_keep)
+        self._pool._batcher.kv_keep(self.seq_id, n_keep)
+
+    # ---- generations (generation.generate) ------------------------------------------------
+
+    def adopt_prefix(self, seq: SequenceState, tokens: List[int], with_rows: bool) -> None:
+        self._pool._adopt_prefix(self.seq_id, seq, tokens, with_rows)
+
+    def lockstep(self, loop: Iterator[int]):
+        return self._pool._lockstep(self.seq_id, loop)
+
+    def run_ahead(self, seq: SequenceState, tokens: List[int], sampler: Sampler, reset: bool,
+                  n_predict: Optional[int], stop_tokens: List[int], resume, verbose: bool):
+        return self._pool._run_ahead(self.seq_id, seq, tokens, sampler, reset, n_predict, stop_tokens, resume, verbose)
+
+    # ---- what a Llama reads of its context --------------------------------------------------
 
     def timings(self) -> Dict[str, float]:
         return self._pool._with_ctx(lambda ctx: ctx.timings())
@@ -159,60 +167,6 @@ class _SequenceContext:
         self._unsupported("the raw context pointer (Llama.ctx)")
 
 
-_GENERATE_SIGNATURE = inspect.signature(Llama.generate)
-
-
-class _Slot(Llama):
-    """A Llama over one sequence of a ParallelLlama (made by the pool, never directly)."""
-
-    def __init__(self, pool: "ParallelLlama", base: Llama, seq: int, n_ctx: int):  # noqa: D107 (no Llama.__init__)
-        self.__dict__.update(base.__dict__)  # the tokenizer, chat handlers, settings
-        self.__dict__.pop("_generation_hint", None)  # base's last completion's, not ours
-        self._model = pool._model
-        self._pool = pool
-        self.seq_id = seq
-        self._ctx = _SequenceContext(pool, seq, n_ctx, keeps_rows=base._logits_all)  # type: ignore[assignment]
-        self._n_ctx = n_ctx
-        self.input_ids = np.zeros((n_ctx,), dtype=np.intc)
-        self.scores = np.zeros((n_ctx if self._logits_all else 1, self._n_vocab), dtype=np.single)
-        self.n_tokens = 0
-        self._requires_eval = True
-        self._sampler = None
-        self.cache = None
-        self._pieces = base._pieces
-        if isinstance(base.tokenizer_, _tokenizer.CoreTokenizer):  # the slot's, on the pool's model
-            self.tokenizer_ = _tokenizer.CoreTokenizer(self)
-
-    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any):
-        # From create_completion, if it called us: its max_tokens (a run ahead samples no
-        # more), and whether it reads the logits rows (logprobs).
-        n_predict, wants_rows = self.__dict__.pop("_generation_hint", (None, self._logits_all))
-        bound = _GENERATE_SIGNATURE.bind(self, tokens, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        tokens = [int(t) for t in tokens]
-        if not tokens and self.n_tokens == 0:
-            raise ValueError("generate needs at least one prompt token")
-        if arguments["reset"]:
-            if wants_rows:
-                # Only positions with their score rows may be reused: the rows are read.
-                self.n_tokens = min(self.n_tokens, self._ctx.n_scored)
-            self._pool._adopt_prefix(self, tokens, wants_rows)
-        sampler = generation.init_sampler(self, **generation.sampler_args(arguments))
-        stop_tokens = generation.core_stop_tokens(arguments["stopping_criteria"])
-        if stop_tokens is not None and not wants_rows and sampler.logits_processor is None:
-            # The core samples it alone.
-            return self._pool._run_ahead(self, tokens, sampler, arguments["reset"], n_predict, stop_tokens)
-        return self._pool._lockstep(self, generation.start(self, tokens, sampler, arguments["reset"],
-                                                           arguments["stopping_criteria"]))
-
-    def close(self) -> None:  # the pool owns the model and the context
-        self._sampler = None
-
-    def __del__(self) -> None:
-        pass
-
-
 class ParallelLlama:
     """`n_parallel` slots over one model: see the module docstring."""
 
@@ -247,7 +201,14 @@ class ParallelLlama:
             batch_invariant=True,
         )  # fmt: skip
         self.n_ctx_slot = min(n_ctx_slot, self._ctx.n_ctx())
-        self._slots = [_Slot(self, llama, i, self.n_ctx_slot) for i in range(n_parallel)]
+        # Each slot drafts on its own (a draft model: a context of its own on the shared draft
+        # model, one thread, on the slot's thread) when the Llama drafts.
+        drafter = llama._drafter
+        self._slots: List[Llama] = [
+            Llama._over_sequence(llama, self._model, SlotBackend(self, i, self.n_ctx_slot), self,
+                                 drafter.for_slot(n_ctx=self.n_ctx_slot, n_threads=1) if drafter is not None else None)
+            for i in range(n_parallel)
+        ]
         self._free: Deque[int] = collections.deque(range(n_parallel))  # idle longest first
         self._slot_cond = threading.Condition()  # also guards _counts and _seeds
         self._n_waiting = 0
@@ -289,10 +250,11 @@ class ParallelLlama:
 
     def release(self, slot: Llama) -> None:
         with self._slot_cond:
-            if not isinstance(slot, _Slot) or slot._pool is not self or slot.seq_id in self._free:
+            seq_id = _seq_id(slot)
+            if getattr(slot, "_slot_of", None) is not self or seq_id in self._free:
                 raise ValueError("release() takes a slot acquired from this pool, once")
-            slot._sampler = None
-            self._free.append(slot.seq_id)
+            slot._seq.sampler = None
+            self._free.append(seq_id)
             self._slot_cond.notify()
 
     @contextlib.contextmanager
@@ -311,34 +273,38 @@ class ParallelLlama:
     def requests_waiting(self) -> int:
         return self._n_waiting
 
-    def _adopt_prefix(self, slot: _Slot, tokens: List[int], with_rows: bool) -> None:
-        """Before a generation on `slot`: if an idle slot holds a longer prefix of `tokens`
-        than `slot` itself, `slot`'s sequence becomes that prefix (shared cells). With_rows
-        (the generation reads score rows: logprobs), only a prefix whose rows the idle slot
-        has is taken, and the rows are copied too."""
+    def _adopt_prefix(self, seq_id: int, seq: SequenceState, tokens: List[int], with_rows: bool) -> None:
+        """Before a generation on slot `seq_id`: if an idle slot holds a longer prefix of `tokens`
+        than the slot itself, the slot's sequence becomes that prefix (shared cells). With_rows
+        (the generation reads score rows: logprobs), only positions with their rows count, and
+        the rows are copied too."""
         if not tokens:
             return
+        if with_rows:
+            # Only positions with their score rows may be reused: the rows are read.
+            seq.n_tokens = min(seq.n_tokens, seq.n_scored)
         prompt = np.asarray(tokens, dtype=np.intc)
-        own = _common_prefix(slot.input_ids[: slot.n_tokens], prompt)
+        own = common_prefix(seq.tokens, prompt)
         with self._slot_cond:  # idle slots stay idle (and unchanged) meanwhile
             best, best_len = None, own
             for i in self._free:
-                other = self._slots[i]
-                n_own = min(other.n_tokens, other._ctx.n_scored) if with_rows else other.n_tokens
-                n = _common_prefix(other.input_ids[:n_own], prompt)
+                other = self._slots[i]._seq
+                n_own = min(other.n_tokens, other.n_scored) if with_rows else other.n_tokens
+                n = common_prefix(other.input_ids[:n_own], prompt)
                 if n > best_len:
-                    best, best_len = other, n
+                    best, best_len = i, n
             if best is not None:
                 # Queued while `best` is held idle here: the batcher applies it before any later
                 # request of `best` (its edits are applied in the order queued, ahead of decodes).
-                self._batcher.kv_share(slot.seq_id, best.seq_id, best_len)
-                slot.input_ids[:best_len] = best.input_ids[:best_len]
-                slot._ctx.forget_rows_from(0)
+                other = self._slots[best]._seq
+                self._batcher.kv_share(seq_id, best, best_len)
+                seq.input_ids[:best_len] = other.input_ids[:best_len]
+                seq.forget_rows_from(0)
                 if with_rows:
-                    slot.scores[:best_len] = best.scores[:best_len]
-                    slot._ctx.n_scored = best_len
-                slot.n_tokens = best_len
-                slot._requires_eval = True
+                    seq.scores[:best_len] = other.scores[:best_len]
+                    seq.n_scored = best_len
+                seq.n_tokens = best_len
+                seq.requires_eval = True
             # The last prompt token is decoded again for its logits.
             self._counts["prompt_tokens_reused"] += max(min(best_len, len(tokens) - 1), 0)
 
@@ -348,23 +314,23 @@ class ParallelLlama:
         with self._batcher.locked() as ctx:
             return fn(ctx)
 
-    def _lockstep(self, slot: _Slot, tokens: Iterator[int]):
+    def _lockstep(self, seq_id: int, tokens: Iterator[int]):
         """A generation sampled in Python (Llama.generate on the slot): while it runs, each
         step waits for the slot's next decode."""
         self._count("runs_lockstep")
-        self._batcher.set_lockstep(slot.seq_id, True)
+        self._batcher.set_lockstep(seq_id, True)
         try:
             return (yield from tokens)
         finally:
             with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing waits for it
-                self._batcher.set_lockstep(slot.seq_id, False)
+                self._batcher.set_lockstep(seq_id, False)
 
     def _count(self, name: str) -> None:
         with self._slot_cond:
             self._counts[name] += 1
 
-    def _run_ahead(self, slot: _Slot, tokens: List[int], sampler: Sampler, reset: bool,
-                   n_predict: Optional[int], stop_tokens: List[int]):
+    def _run_ahead(self, seq_id: int, seq: SequenceState, tokens: List[int], sampler: Sampler, reset: bool,
+                   n_predict: Optional[int], stop_tokens: List[int], resume, verbose: bool):
         """Llama.generate for a slot whose sampler the core runs alone: the batcher samples
         and decodes ahead (powerinfer_batcher_generate), this generator hands the tokens over.
 
@@ -374,62 +340,59 @@ class ParallelLlama:
         them is dropped), so the slot's cache and prompt-cache matching are as after a
         generation in Python. `stop_tokens` end it as generation.StopOnLastToken does: once
         such a token is evaluated (handed over, and the caller asks for the next), nothing
-        more is handed over."""
+        more is handed over. Draft tokens sent in continue the generation in Python:
+        resume([token, *drafts]) is generation's loop from there."""
         self._count("runs_ahead")
-        batcher, seq = self._batcher, slot.seq_id
-        slot._sampler = sampler
-        todo = generation.prepare_prompt(slot, tokens, reset)
+        batcher = self._batcher
+        seq.sampler = sampler
+        todo = seq.prepare(tokens, reset, verbose)
         if not todo:
             # The whole prompt is cached with its logits: decode its last token again (the
             # core samples from its own rows, not from the slot's copy).
-            slot.n_tokens -= 1
-            todo = [int(slot.input_ids[slot.n_tokens])]
+            seq.n_tokens -= 1
+            todo = [int(seq.input_ids[seq.n_tokens])]
         try:
             while True:
-                pos = slot.n_tokens
-                if pos + len(todo) > slot._n_ctx:
-                    raise ValueError(f"Requested tokens ({pos + len(todo)}) exceed context window of {slot._n_ctx}")
+                pos = seq.n_tokens
+                seq.check_window(pos, len(todo))
                 if todo[-1] in stop_tokens:
                     # Llama.generate evaluates it, samples, and its stopping criterion ends
                     # the generation before the sampled token is handed over.
-                    slot._ctx.decode(todo, pos)
-                    slot.input_ids[pos : pos + len(todo)] = todo
-                    slot.n_tokens = pos + len(todo)
+                    seq.eval(todo)
                     return
-                slot._ctx.forget_rows_from(pos)  # the core decodes from pos on: no rows in Python
-                batcher.generate(seq, todo, pos, sampler, n_predict or 0, slot._n_ctx, stop_tokens)
-                slot.input_ids[pos : pos + len(todo)] = todo
-                slot.n_tokens = pos + len(todo)
+                seq.forget_rows_from(pos)  # the core decodes from pos on: no rows in Python
+                batcher.generate(seq_id, todo, pos, sampler, n_predict or 0, seq.n_ctx, stop_tokens)
+                seq.input_ids[pos : pos + len(todo)] = todo
+                seq.n_tokens = pos + len(todo)
                 last: Optional[int] = None
                 while True:
-                    got = batcher.next(seq)
+                    got = batcher.next(seq_id)
                     if not got:
                         break
                     for token in got:
                         for check in sampler.checks:  # as the sampler runs them before each token
                             check.check()
                         if last is not None:  # the batcher decoded it before sampling this one
-                            slot.input_ids[slot.n_tokens] = last
-                            slot.n_tokens += 1
+                            seq.input_ids[seq.n_tokens] = last
+                            seq.n_tokens += 1
                         drafts = yield token
                         last = token
                         if drafts:
                             # Draft tokens to check: that is Llama.generate's loop, on rows of
                             # logits in Python; the run ahead ends at the token sent back.
-                            batcher.stop(seq, slot.n_tokens)
-                            yield from self._lockstep(slot, generation._generate(
-                                slot, [token, *(int(t) for t in drafts)], sampler, False, None, verify=True))
+                            batcher.stop(seq_id, seq.n_tokens)
+                            yield from self._lockstep(seq_id, resume([token, *(int(t) for t in drafts)]))
                             return
                 if last is None:
-                    raise PowerInferError(f"sequence {seq} ended its run without a token")
+                    raise PowerInferError(f"sequence {seq_id} ended its run without a token")
                 # The run ended (n_predict, an end-of-generation or stop token, the context)
                 # and the caller asks for more: its last token is decoded in a new run.
                 todo, n_predict = [last], None
         finally:
-            batcher.stop(seq, slot.n_tokens)  # nothing to stop once the pool's close() ended every run
-            slot._requires_eval = True  # the last logits were the core's, never the slot's
-            if slot._sampler is sampler:
-                slot._sampler = None
+            batcher.stop(seq_id, seq.n_tokens)  # nothing to stop once the pool's close() ended every run
+            seq.requires_eval = True  # the last logits were the core's, never the slot's
+            if seq.sampler is sampler:
+                seq.sampler = None
 
     # ---- observability and lifetime ----------------------------------------------------------
 
@@ -471,6 +434,14 @@ class ParallelLlama:
         """KV cells in use after the last step (never waits for a step)."""
         return int(self._batcher.stats()["kv_cells_used"])
 
+    def speculative_stats(self) -> Dict[str, Any]:
+        """The slots' speculative decoding counters together (Llama.speculative_stats)."""
+        total = SpeculativeStats()
+        for slot in self._slots:
+            if slot._drafter is not None:
+                total.add(slot._drafter.stats)
+        return total.as_dict()
+
     def close(self) -> None:
         """Stop the batcher and free the pool's context (not the Llama it was made from)."""
         with self._slot_cond:
@@ -478,6 +449,8 @@ class ParallelLlama:
                 return
             self._closed = True
             self._slot_cond.notify_all()
+        for slot in self._slots:
+            slot.close()  # its drafter
         self._batcher.close()
         self._ctx.close()
         self._model.close()
@@ -489,9 +462,6 @@ class ParallelLlama:
         self.close()
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+def _seq_id(slot: Any) -> Optional[int]:
+    backend = getattr(getattr(slot, "_seq", None), "backend", None)
+    return backend.seq_id if isinstance(backend, SlotBackend) else None

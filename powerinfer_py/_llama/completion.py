@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from .._core import LogitBias
-from . import generation, tokenizer
+from . import tokenizer
 
 
 def create_completion_stream(
@@ -184,12 +184,13 @@ def create_completion_stream(
     # space of a completion that starts with BOS (the tokenizer's rule).
     raw_text = b"".join(tokenizer.token_to_piece(self, t, False) for t in completion_tokens)
     starts_with_bos = bool(completion_tokens) and completion_tokens[0] == self._token_bos
-    # For generate() on a ParallelLlama slot: this loop takes at most max_tokens tokens (a
-    # generation sampled ahead of it samples no more), and reads the logits rows
-    # (self._scores) only for logprobs (without, it may be sampled in the core).
-    self._generation_hint = (max_tokens, logprobs is not None)
-    for token in self.generate(
+    # This loop takes at most max_tokens tokens (a generation sampled ahead of it, on a
+    # ParallelLlama slot, samples no more), and reads the logits rows (self._scores) only for
+    # logprobs (without, a slot may sample it in the core).
+    for token in self._generate_completion(
         prompt_tokens,
+        max_tokens,
+        logprobs is not None,
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
@@ -370,7 +371,7 @@ def create_completion_stream(
             finish_reason = "length"
             break
 
-    if stopping_criteria is not None and stopping_criteria(self._input_ids, generation.last_logits_view(self)):
+    if stopping_criteria is not None and stopping_criteria(self._input_ids, self._last_logits_view()):
         text = self.detokenize(completion_tokens, prev_tokens=prompt_tokens)
         finish_reason = "stop"
 

@@ -12,8 +12,6 @@ from typing import Any, List, Optional, Union
 
 import numpy as np
 
-from . import generation
-
 POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST, POOLING_RANK = 0, 1, 2, 3, 4
 
 
@@ -26,8 +24,10 @@ def _normalize(x: np.ndarray) -> np.ndarray:
 
 def _hidden_states(llama: Any, tokens: List[int]) -> np.ndarray:
     """float32 [n_tokens, n_embd]: the final-norm hidden state after each token (from position 0)."""
-    llama.reset()
-    generation.decode(llama, tokens, 0, True)
+    seq = llama._seq
+    seq.reset()
+    seq.check_window(0, len(tokens))
+    llama._ctx.decode(tokens, 0, True)
     return llama._ctx.embeddings(0, len(tokens)).copy()
 
 

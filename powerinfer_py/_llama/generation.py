@@ -1,54 +1,28 @@
-"""Llama's evaluation and generation family: decoding into the KV cache, logits views,
-the sampler set-up, and the generate() loop with prefix reuse and draft-token checks.
+"""Llama's evaluation and generation family: decoding into the KV cache, the sampler set-up,
+and the generate() loop with prefix reuse, draft tokens and their verification.
 
-Every function takes the powerinfer_py.Llama it serves as `llama`.
+Every function takes the powerinfer_py.Llama it serves as `llama`; the tokens it holds are
+its Sequence (`llama._seq`, sequence.py), whose backend is the Llama's own context or, on a
+ParallelLlama slot, one sequence of the pool's (which may run a generation in the core).
 """
 
 from __future__ import annotations
 
-import sys
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from .._core import PowerInferError, Sampler
 from .constants import ENGINE_LLAMA_CPP
-
-
-def decode(llama: Any, tokens: Sequence[int], pos: int, logits_all: bool) -> None:
-    n = len(tokens)
-    if pos + n > llama._n_ctx:
-        raise ValueError(f"Requested tokens ({pos + n}) exceed context window of {llama._n_ctx}")
-    llama._ctx.decode(tokens, pos, logits_all)
-
-
-def logits_view(llama: Any, row: int = -1, n_rows: int = 1) -> np.ndarray:
-    """n_rows rows of logits of the last decode from `row` on, as a view that is valid
-    until the next decode: float32 [n_rows, n_vocab] (or [n_vocab] for one row)."""
-    return llama._ctx.logits(row, n_rows)
-
-
-def last_logits_view(llama: Any) -> np.ndarray:
-    """The logits after the last evaluated token (zeros before any decode)."""
-    if llama._ctx is None or llama._ctx.n_outputs() <= 0:
-        return np.zeros((llama._n_vocab,), dtype=np.float32)
-    return logits_view(llama, -1)
+from .speculative import Draft, Drafter, accept_draft
 
 
 def eval_tokens(llama: Any, tokens: Sequence[int], all_rows: bool) -> None:
-    """Evaluate `tokens` after the first n_tokens tokens of the KV cache (logits of every
-    row with all_rows or logits_all)."""
+    """Evaluate `tokens` after the held tokens (logits of every row with all_rows or
+    logits_all)."""
     llama._require_ctx()
-    tokens = [int(t) for t in tokens]
-    if not tokens:
-        return
-    n_past, n = llama.n_tokens, len(tokens)
-    decode(llama, tokens, n_past, all_rows or llama._logits_all)
-    llama.input_ids[n_past : n_past + n] = tokens
-    if llama._logits_all:
-        llama.scores[n_past : n_past + n, :] = logits_view(llama, 0, n)
-    llama.n_tokens = n_past + n
-    llama._requires_eval = False
+    llama._seq.eval(tokens, all_rows)
 
 
 def compute_logits(llama: Any, tokens: Sequence[int]) -> np.ndarray:
@@ -62,14 +36,14 @@ def compute_logits(llama: Any, tokens: Sequence[int]) -> np.ndarray:
         fallback.eval(tokens)
         return np.array(fallback.scores[: len(tokens), :], dtype=np.float32)
     ctx = llama._require_ctx()
-    if len(tokens) > llama._n_ctx:
-        raise ValueError(f"Requested tokens ({len(tokens)}) exceed context window of {llama._n_ctx}")
-    llama.reset()
-    eval_tokens(llama, tokens, all_rows=True)
+    seq = llama._seq
+    seq.check_window(0, len(tokens))
+    seq.reset()
+    seq.eval(tokens, all_rows=True)
     n_out = ctx.n_outputs()
     if n_out != len(tokens):
         raise PowerInferError(f"powerinfer_decode(logits_all=True) of {len(tokens)} tokens returned {n_out} rows")
-    return logits_view(llama, 0, n_out).copy()
+    return ctx.logits(0, n_out).copy()
 
 
 # ---- sampling ----------------------------------------------------------------------------
@@ -112,29 +86,15 @@ def init_sampler(llama: Any, *, temp: float, top_k: int, top_p: float, min_p: fl
 
 def sample(llama: Any, idx: Optional[int], **sampler_params: Any) -> int:
     """Llama.sample: with the sampler of the running generate() if any, else a new one."""
-    if llama.n_tokens <= 0:
+    seq = llama._seq
+    if seq.n_tokens <= 0:
         raise RuntimeError("sample() needs evaluated tokens (call eval first)")
-    sampler = llama._sampler
+    sampler = seq.sampler
     if sampler is None:
         sampler = init_sampler(llama, **sampler_params)
-    row = idx - llama.n_tokens if idx is not None else -1
-    return sampler.sample(llama._require_ctx(), row, llama._input_ids)
-
-
-def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, **sampler_params: Any) -> Iterator[int]:
-    """Llama.generate. The sampler is built here, so a bad sampling parameter raises
-    ValueError at the call, not at the first token."""
+    row = idx - seq.n_tokens if idx is not None else -1
     llama._require_ctx()
-    tokens = [int(t) for t in tokens]
-    if not tokens and llama.n_tokens == 0:
-        raise ValueError("generate needs at least one prompt token")
-    return start(llama, tokens, init_sampler(llama, **sampler_params), reset, stopping_criteria)
-
-
-def start(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria) -> Iterator[int]:
-    """The generation loop over `tokens` with `sampler`, which becomes llama's while it runs."""
-    llama._sampler = sampler
-    return _generate(llama, tokens, sampler, reset, stopping_criteria)
+    return sampler.sample(seq.backend, row, seq.tokens)
 
 
 class StopOnLastToken:
@@ -161,65 +121,125 @@ def core_stop_tokens(stopping_criteria: Any) -> Optional[List[int]]:
     return sorted({t for c in stopping_criteria for t in c.token_ids})
 
 
-def prepare_prompt(llama: Any, tokens: List[int], reset: bool) -> List[int]:
-    """Before a generation: keep the longest cached prefix of `tokens` (at least one prompt
-    token is decoded again, for its logits, unless the whole prompt is cached with its
-    logits), reset the rest, and return the tokens still to evaluate ([]: sample from the
-    last logits)."""
-    if reset and llama.n_tokens > 0:
-        longest_prefix = llama.longest_token_prefix(llama._input_ids.tolist(), tokens)
-        prompt_consumed = longest_prefix == len(tokens)
-        if llama.n_tokens == len(tokens) and prompt_consumed and not llama._requires_eval:
-            # The logits of the last decode are those after the whole prompt.
-            reset, tokens, reuse_prefix = False, [], 0
-            if llama.verbose:
-                print("Llama.generate: full prompt already cached, skipping reset", file=sys.stderr)
-        else:
-            # At least one prompt token is decoded again, to refresh the logits.
-            reuse_prefix = longest_prefix - 1 if prompt_consumed else longest_prefix
-        if reuse_prefix > 0:
-            llama._ctx.kv_truncate(reuse_prefix)
-            reset = False
-            tokens = tokens[reuse_prefix:]
-            llama.n_tokens = reuse_prefix
-            llama._requires_eval = True
-            if llama.verbose:
-                print(
-                    f"Llama.generate: {reuse_prefix} prefix-match hit, "
-                    f"remaining {len(tokens)} prompt tokens to eval",
-                    file=sys.stderr,
-                )
-    if reset:
-        llama.reset()
-    return tokens
+def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, *, n_predict: Optional[int] = None,
+             reads_rows: Optional[bool] = None, **sampler_params: Any) -> Iterator[int]:
+    """Llama.generate. The sampler is built here, so a bad sampling parameter raises
+    ValueError at the call, not at the first token.
+
+    n_predict: the caller takes at most this many tokens (a generation sampled ahead in the
+    core samples no more); reads_rows: whether the caller reads the score rows (logprobs;
+    default: logits_all). create_completion passes both."""
+    llama._require_ctx()
+    seq = llama._seq
+    tokens = [int(t) for t in tokens]
+    if not tokens and seq.n_tokens == 0:
+        raise ValueError("generate needs at least one prompt token")
+    reads_rows = llama._logits_all if reads_rows is None else reads_rows
+    backend = seq.backend
+    adopt = getattr(backend, "adopt_prefix", None)
+    if reset and adopt is not None:
+        adopt(seq, tokens, reads_rows)
+    sampler = init_sampler(llama, **sampler_params)
+    drafter = llama._drafter
+    run_ahead = getattr(backend, "run_ahead", None)
+    stop_tokens = core_stop_tokens(stopping_criteria)
+    if (run_ahead is not None and drafter is None and stop_tokens is not None and not reads_rows
+            and sampler.logits_processor is None):
+        # The core samples it alone; drafts sent in continue it here.
+        def resume(verify_tokens: List[int]) -> Iterator[int]:
+            return start(llama, verify_tokens, sampler, False, None, verify=True)
+
+        return run_ahead(seq, tokens, sampler, reset, n_predict, stop_tokens, resume, llama.verbose)
+    loop = start(llama, tokens, sampler, reset, stopping_criteria)
+    lockstep = getattr(backend, "lockstep", None)
+    return lockstep(loop) if lockstep is not None else loop
+
+
+def start(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria,
+          verify: bool = False) -> Iterator[int]:
+    """The generation loop over `tokens` with `sampler`, which becomes the sequence's while it
+    runs. With verify, `tokens` are a sampled token and drafts sent in: every row is checked."""
+    llama._seq.sampler = sampler
+    return _generate(llama, tokens, sampler, reset, stopping_criteria, verify)
+
+
+def _draft_room(llama: Any, n_past: int) -> int:
+    """How many draft tokens may follow the token decoded at position n_past: draft_max, the
+    context window, and, on a sparse model, the largest batch that takes the sparse path (a
+    larger one would run the dense FFN, whose results are not a lone token's)."""
+    return min(llama._drafter.params.n_max, llama._seq.n_ctx - n_past - 1, llama._draft_batch_max - 1)
 
 
 def _generate(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria,
               verify: bool = False) -> Iterator[int]:
-    """The generation loop. With verify (draft tokens were sent in), `tokens` are the last
-    sampled token and the drafts: every row of their decode is sampled and checked."""
-    tokens = prepare_prompt(llama, tokens, reset)
-    sample_idx = llama.n_tokens + (0 if verify else len(tokens) - 1)
+    """The generation loop. When `tokens` holds more than the next token to decode (drafts,
+    sent in by the caller or proposed by the Llama's drafter), their decode keeps every row and
+    each row is sampled: a row whose token is the next draft accepts it; the first that is not
+    ends the step, and the KV cache is rolled back to the tokens kept."""
+    seq = llama._seq
+    drafter: Optional[Drafter] = llama._drafter
+    tokens = seq.prepare(tokens, reset, llama.verbose)
+    # The next position whose logits are sampled.
+    sample_idx = seq.n_tokens + (0 if verify else len(tokens) - 1)
+    draft: Optional[Draft] = None  # the drafter's proposals being checked
+    rng = np.random.default_rng(sampler.seed) if drafter is not None else None
+    length = drafter.length if drafter is not None else None
     try:
         while True:
-            eval_tokens(llama, tokens, all_rows=verify)
-            while sample_idx < llama.n_tokens:
-                row = sample_idx - llama.n_tokens
-                token = sampler.sample(llama._ctx, row, llama._input_ids)
+            n_drafted = len(draft.tokens) if draft is not None else 0
+            t0 = time.perf_counter()
+            seq.eval(tokens, all_rows=verify)
+            if length is not None and len(tokens) == n_drafted + 1:
+                length.record_decode(n_drafted, time.perf_counter() - t0)
+            n_kept = 0
+            while sample_idx < seq.n_tokens:
+                row = sample_idx - seq.n_tokens
+                history = seq.input_ids[: sample_idx + 1]  # what one-token decoding would hold here
+                proposal = sample_idx + 1 < seq.n_tokens
+                i_draft = sample_idx + 1 - (seq.n_tokens - len(draft.tokens)) if draft is not None else -1
+                if proposal and draft is not None and draft.q is not None:
+                    # A proposal drawn from the draft's distribution: the standard rule.
+                    token = accept_draft(sampler.probs(seq.backend, row, history), draft.q[i_draft],
+                                         int(seq.input_ids[sample_idx + 1]), rng)
+                    sampler.accept(token)
+                else:
+                    # A point mass (or no proposal): drawing from p and comparing is the rule.
+                    token = sampler.sample(seq.backend, row, history)
                 sample_idx += 1
-                if stopping_criteria is not None and stopping_criteria(
-                    llama._input_ids[:sample_idx], logits_view(llama, row)
-                ):
+                kept = proposal and token == int(seq.input_ids[sample_idx])
+                if draft is not None:
+                    drafter.stats.generated += 1
+                    drafter.stats.accepted += int(kept)
+                    n_kept += int(kept)
+                if stopping_criteria is not None and stopping_criteria(seq.input_ids[:sample_idx], seq.logits(row)):
                     return
-                tokens_or_none = yield token
+                sent = yield token
                 tokens = [token]
-                verify = tokens_or_none is not None and len(tokens_or_none) > 0
-                if tokens_or_none is not None:
-                    tokens.extend(int(t) for t in tokens_or_none)
-                if sample_idx < llama.n_tokens and token != llama.input_ids[sample_idx]:
-                    llama.n_tokens = sample_idx
-                    llama._requires_eval = True
+                verify = sent is not None and len(sent) > 0
+                if sent is not None:
+                    tokens.extend(int(t) for t in sent)
+                if proposal and not kept:
+                    seq.rewind(sample_idx)  # past the first rejected token
                     break
+            if length is not None:
+                length.record_outcome(n_drafted, n_kept)
+            draft = None
+            if drafter is not None and not verify:
+                n_room = length.choose(_draft_room(llama, sample_idx), drafter.params.n_min)
+                if n_room > 0:
+                    history = np.append(seq.input_ids[:sample_idx], np.intc(tokens[0]))
+                    t0 = time.perf_counter()
+                    draft = drafter.propose(history, n_room, sampler, rng)
+                    length.record_draft(len(draft.tokens), time.perf_counter() - t0)
+                    if draft.tokens:
+                        tokens.extend(draft.tokens)
+                        verify = True
+                        drafter.stats.verify_steps += 1
+                        drafter.stats.drafted += len(draft.tokens)
+                    else:
+                        draft = None
     finally:
-        if llama._sampler is sampler:
-            llama._sampler = None
+        if seq.n_tokens > sample_idx:
+            seq.rewind(sample_idx)  # drafts decoded past the last token handed over
+        if seq.sampler is sampler:
+            seq.sampler = None

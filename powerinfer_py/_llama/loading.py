@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .._core import Model
+from . import speculative
 from .._core.bindings import version
 from ..formats import pt_io
 from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
@@ -19,7 +20,8 @@ from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_S
 
 # Llama's own parameters, which llama_cpp.Llama (the fallback engine) does not take.
 OWN_PARAMS = ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback", "activation_dir",
-              "reset_gpu_index", "emulate_device", "pack_dense")
+              "reset_gpu_index", "emulate_device", "pack_dense", "batch_invariant", "draft_model_path", "draft_max",
+              "draft_min", "draft_p_min")
 
 
 def _budgets(vram_budget: Any) -> Optional[List[float]]:
@@ -152,7 +154,45 @@ def set_activation_counts(model: Model, model_path: str, activation_dir: Optiona
     model.set_act_counts(np.stack(counts).astype(np.float32), f"{folder}: activation counts rejected")
 
 
-def print_banner(llama: Any, arch: str, vocab_only: bool, draft_model: Any) -> None:
+def draft_params(draft_model: Any, draft_model_path: Optional[str], draft_max: Optional[int],
+                 draft_min: Optional[int], draft_p_min: Optional[float]) -> Optional[speculative.DraftParams]:
+    """The drafting parameters (llama.cpp's defaults for those not given), or None without a
+    draft. ValueError for a bad value, or two drafts."""
+    params = speculative.DraftParams(
+        n_max=speculative.DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
+        n_min=speculative.DEFAULT_DRAFT_MIN if draft_min is None else draft_min,
+        p_min=speculative.DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min,
+    )
+    if draft_model is not None and not callable(draft_model):
+        raise ValueError(f"draft_model must be a LlamaDraftModel (a callable from token ids to drafted ids), "
+                         f"not {type(draft_model).__name__}; a GGUF draft goes in draft_model_path")
+    if draft_model is not None and draft_model_path is not None:
+        raise ValueError("give draft_model or draft_model_path, not both")
+    if draft_model_path is not None and not isinstance(draft_model_path, (str, os.PathLike)):
+        raise ValueError(f"draft_model_path must be a path, not {draft_model_path!r}")
+    return params if draft_model is not None or draft_model_path is not None else None
+
+
+def make_drafter(llama: Any, draft_model: Any, draft_model_path: Optional[str],
+                 params: speculative.DraftParams) -> speculative.Drafter:
+    """The Llama's drafter: draft_model's proposals, or a draft model loaded from
+    draft_model_path (ValueError if it does not share the target's vocabulary)."""
+    if draft_model is not None:
+        return speculative.CallableDrafter(draft_model, params)
+    path = os.fspath(draft_model_path)
+    if not os.path.exists(path):
+        raise ValueError(f"Draft model path does not exist: {path}")
+    model = Model(path, n_threads=llama.n_threads)
+    try:
+        speculative.check_vocabularies(llama._model, model, llama.model_path, path)
+        return speculative.ModelDrafter(model, params, n_ctx=llama._n_ctx, n_batch=llama.n_batch,
+                                        n_threads=llama.n_threads, n_threads_batch=llama.n_threads_batch)
+    except BaseException:
+        model.close()
+        raise
+
+
+def print_banner(llama: Any, arch: str, vocab_only: bool, drafter: Any) -> None:
     model = llama._model
     where = "vocabulary only" if vocab_only else f"n_ctx {llama._n_ctx}, threads {llama.n_threads}/{llama.n_threads_batch}"
     print(
@@ -162,5 +202,8 @@ def print_banner(llama: Any, arch: str, vocab_only: bool, draft_model: Any) -> N
         f"{model.size() / 2**20:.1f} MiB of weights, {where}",
         file=sys.stderr,
     )
-    if draft_model is not None:
-        print("powerinfer_py: draft_model is ignored (no speculative decoding yet)", file=sys.stderr)
+    if drafter is not None:
+        p = drafter.params
+        what = "a draft model" if isinstance(drafter, speculative.ModelDrafter) else type(drafter.source).__name__
+        print(f"powerinfer_py: speculative decoding with {what} (draft_max {p.n_max}, draft_min {p.n_min}, "
+              f"draft_p_min {p.p_min}), batch-invariant kernels", file=sys.stderr)

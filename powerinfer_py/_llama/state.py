@@ -21,9 +21,9 @@ def save_state(llama: Any) -> "LlamaState":
         print("Llama.save_state: saving llama state", file=sys.stderr)
     # The core saves every cached position: drop those past n_tokens (stale after a
     # reset or a prefix match) so the state holds exactly input_ids[:n_tokens].
-    if ctx.kv_pos() > llama.n_tokens:
-        ctx.kv_truncate(llama.n_tokens)
-        llama._requires_eval = True
+    seq = llama._seq
+    if ctx.kv_pos() > seq.n_tokens:
+        seq.rewind(seq.n_tokens)
     data = ctx.state_save()
     n_bytes = len(data)
     if llama.verbose:
@@ -43,13 +43,6 @@ def save_state(llama: Any) -> "LlamaState":
 def load_state(llama: Any, state: "LlamaState") -> None:
     ctx = llama._require_ctx()
     ctx.state_load(bytes(state.llama_state)[: state.llama_state_size])
-    n_tokens = int(state.n_tokens)
-    llama.input_ids = np.zeros((llama._n_ctx,), dtype=np.intc)
-    llama.input_ids[:n_tokens] = np.asarray(state.input_ids[:n_tokens], dtype=np.intc)
-    n_scores = min(len(state.scores), n_tokens)
-    if llama._logits_all and n_scores:
-        llama.scores[:n_scores, :] = state.scores[:n_scores]
-    llama.n_tokens = n_tokens
     # As upstream: the next generate() decodes the last token again before sampling.
-    llama._requires_eval = True
+    llama._seq.restore(state.input_ids, int(state.n_tokens), state.scores)
     llama._seed = state.seed

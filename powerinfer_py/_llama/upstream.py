@@ -84,3 +84,8 @@ def llama_cache() -> types.ModuleType:
 
 def llama_tokenizer() -> types.ModuleType:
     return module("llama_tokenizer")
+
+
+def llama_speculative() -> types.ModuleType:
+    """llama_cpp.llama_speculative: LlamaDraftModel, LlamaPromptLookupDecoding."""
+    return module("llama_speculative")
