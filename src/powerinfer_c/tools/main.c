@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 struct cli_args {
     const char * model;
@@ -38,6 +39,11 @@ struct cli_args {
     float        sparse_threshold;
     bool         reset_gpu_index;
     bool         emulate_device;
+    // Speculative decoding (llama.cpp's -md, --draft-max, --draft-min, --draft-p-min).
+    const char * model_draft;
+    int32_t      draft_max, draft_min;
+    float        draft_p_min;
+    bool         batch_invariant;  // each token computed as alone (what -md implies)
 };
 
 static void usage(FILE * out, const char * argv0) {
@@ -77,6 +83,12 @@ static void usage(FILE * out, const char * argv0) {
         "  -ngl, --n-gpu-layers N    layer split: the last N layers on the devices (-1: all; default 0)\n"
         "  --sparse-mode MODE        auto, dense, gate, predictor or input (default: auto, the best the file allows)\n"
         "  --sparse-threshold N      threshold of the sparse mode: gate, predictor, input (default: from the file)\n"
+        "  -md, --model-draft FNAME  draft model for speculative decoding (same vocabulary as -m)\n"
+        "  --draft-max N             tokens drafted per step (default: 16; also --draft, --draft-n)\n"
+        "  --draft-min N             fewer drafted tokens are not checked (default: 0; also --draft-n-min)\n"
+        "  --draft-p-min P           the draft stops below this probability of its best token (default: 0.75)\n"
+        "  --batch-invariant         compute each token as it is computed alone in any batch (implied by -md:\n"
+        "                            the text is the same with and without a draft)\n"
         "  -v, --verbose             print loading details\n",
         argv0);
 }
@@ -157,6 +169,7 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         if (IS("-v") || IS("--verbose"))       { a->verbose = true; continue; }
         if (IS("--reset-gpu-index"))           { a->reset_gpu_index = true; continue; }
         if (IS("--emulate-device"))            { a->emulate_device = true; continue; }
+        if (IS("--batch-invariant"))           { a->batch_invariant = true; continue; }
         const bool takes_value =
             IS("-m") || IS("--model") || IS("-p") || IS("--prompt") || IS("-f") || IS("--file") ||
             IS("-n") || IS("--n-predict") || IS("-t") || IS("--threads") || IS("-tb") || IS("--threads-batch") ||
@@ -164,7 +177,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             IS("--temp") || IS("--top-k") || IS("--top-p") || IS("--min-p") || IS("--repeat-penalty") ||
             IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers") ||
             IS("--sparse-mode") || IS("--sparse-threshold") || IS("--rpc") || IS("-sm") || IS("--split-mode") ||
-            IS("-ts") || IS("--tensor-split");
+            IS("-ts") || IS("--tensor-split") || IS("-md") || IS("--model-draft") || IS("--draft-max") ||
+            IS("--draft") || IS("--draft-n") || IS("--draft-min") || IS("--draft-n-min") || IS("--draft-p-min");
         if (!takes_value) {
             return fail("unknown argument '%s' (see --help)", arg);
         }
@@ -216,6 +230,10 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             }
         }
         else if (IS("--sparse-threshold"))            ok = parse_float(val, &a->sparse_threshold);
+        else if (IS("-md") || IS("--model-draft"))    a->model_draft = val;
+        else if (IS("--draft-max") || IS("--draft") || IS("--draft-n")) ok = parse_int(val, 1, 1 << 16, &a->draft_max);
+        else if (IS("--draft-min") || IS("--draft-n-min")) ok = parse_int(val, 0, 1 << 16, &a->draft_min);
+        else if (IS("--draft-p-min"))  ok = parse_float(val, &a->draft_p_min) && a->draft_p_min >= 0.0f && a->draft_p_min <= 1.0f;
         else if (IS("--sparse-mode")) {
             ok = false;
             for (int32_t m = POWERINFER_SPARSE_AUTO; m <= POWERINFER_SPARSE_INPUT; ++m) {
@@ -237,6 +255,9 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
     }
     if (a->prompt && a->prompt_file) {
         return fail("use either -p or -f, not both");
+    }
+    if (a->draft_min > a->draft_max) {
+        return fail("--draft-min (%d) must not exceed --draft-max (%d)", a->draft_min, a->draft_max);
     }
     return 0;
 }
@@ -292,6 +313,61 @@ static void print_sparse_activity(const struct powerinfer_model * model, const s
     fprintf(stderr, "sparse FFN  = %.1f%% of neurons active (per layer, %%:%s)\n", 100.0 * sum_a / sum_t, per_layer);
 }
 
+// ---- speculative decoding (-md) -------------------------------------------------------------
+// The draft model's sequence, kept in step with the text: held[0..n_held) is what its cache
+// holds. It proposes its most probable token while that token's probability is at least p_min
+// (llama.cpp's --draft-p-min); the target checks the proposals in one decode of all of them.
+struct draft_state {
+    struct powerinfer_model *   model;
+    struct powerinfer_context * ctx;
+    powerinfer_token *          held;  // [n_ctx]
+    int32_t                     n_held, n_ctx, n_vocab;
+    int64_t                     n_steps, n_drafted, n_accepted, n_generated;  // the verify steps' counters
+};
+
+// Up to n_max proposals to follow ids[0..n_ids); returns their number, or -1 on error.
+static int32_t draft_propose(struct draft_state * d, const powerinfer_token * ids, int32_t n_ids, int32_t n_max,
+                             float p_min, powerinfer_token * out) {
+    // Keep the common prefix, and decode at least the last token: its logits give the first proposal.
+    int32_t keep = 0;
+    while (keep < d->n_held && keep < n_ids - 1 && d->held[keep] == ids[keep]) ++keep;
+    if (powerinfer_decode(d->ctx, ids + keep, n_ids - keep, keep, false) != POWERINFER_OK) {
+        return -1;
+    }
+    memcpy(d->held + keep, ids + keep, (size_t) (n_ids - keep) * sizeof(powerinfer_token));
+    d->n_held = n_ids;
+    int32_t n = 0;
+    while (n < n_max && d->n_held < d->n_ctx) {
+        const float * logits = powerinfer_get_logits_ith(d->ctx, -1);
+        int32_t best = 0;  // the greedy sampler's pick: the first maximum
+        for (int32_t i = 1; i < d->n_vocab; ++i) {
+            if (logits[i] > logits[best]) best = i;
+        }
+        double sum = 0.0;
+        for (int32_t i = 0; i < d->n_vocab; ++i) {
+            sum += exp((double) logits[i] - (double) logits[best]);
+        }
+        if (1.0 / sum < (double) p_min) {
+            break;
+        }
+        out[n++] = best;
+        if (n == n_max) {
+            break;
+        }
+        if (powerinfer_decode(d->ctx, &out[n - 1], 1, d->n_held, false) != POWERINFER_OK) {
+            return -1;
+        }
+        d->held[d->n_held++] = best;
+    }
+    return n;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
 static void print_piece(const struct powerinfer_model * model, powerinfer_token tok) {
     char buf[256];
     int32_t n = powerinfer_token_to_piece(model, tok, buf, sizeof(buf), false);
@@ -308,6 +384,7 @@ int main(int argc, char ** argv) {
         .temp = sp.temp, .top_p = sp.top_p, .min_p = sp.min_p, .repeat_penalty = 1.0f,
         .top_k = sp.top_k, .repeat_last_n = 64, .vram_budget = -1.0f, .n_gpu_layers = 0,
         .sparse_mode = POWERINFER_SPARSE_AUTO, .sparse_threshold = NAN, .flash_attn = -1,
+        .draft_max = 16, .draft_min = 0, .draft_p_min = 0.75f,
     };
     int rc = parse_args(argc, argv, &a);
     if (rc != 0) {
@@ -343,6 +420,14 @@ int main(int argc, char ** argv) {
     mp.n_tensor_split  = a.n_tensor_split;
     mp.device_budgets  = a.n_device_budgets ? a.device_budgets : NULL;
     mp.n_device_budgets = a.n_device_budgets;
+    // A draft's check decodes several tokens at once: with kernels that compute each batch column
+    // alone (packed weights, no repacked ones, the slots' attention) they come out as they would
+    // one at a time, so the text does not depend on the draft (docs/speculative.md).
+    const bool invariant = a.batch_invariant || a.model_draft;
+    if (invariant) {
+        mp.pack_dense = true;
+        mp.use_repack = false;
+    }
     if (a.rpc_servers) {
         // A worker that goes away must end the generation with a message, not this process:
         // writing to its closed socket would raise SIGPIPE.
@@ -364,13 +449,44 @@ int main(int argc, char ** argv) {
     cp.seed            = a.seed;
     cp.n_threads       = a.n_threads;
     cp.n_threads_batch = a.n_threads_batch;
-    cp.flash_attn      = a.flash_attn;
+    cp.flash_attn      = invariant ? 1 : a.flash_attn;
+    cp.batch_invariant = invariant;
     struct powerinfer_context * ctx = powerinfer_context_new(model, cp);
     if (!ctx) {
         fprintf(stderr, "error: failed to create context: %s\n", powerinfer_last_error());
         powerinfer_model_free(model);
         free(prompt);
         return 1;
+    }
+    struct draft_state draft = { 0 };
+    if (a.model_draft) {
+        struct powerinfer_model_params dmp = powerinfer_model_default_params();
+        dmp.n_threads = a.n_threads;
+        draft.model = powerinfer_model_load(a.model_draft, dmp);
+        const char * why = !draft.model ? "failed to load the draft model" : NULL;
+        if (!why && powerinfer_vocab_compatible(model, draft.model) != POWERINFER_OK) {
+            why = "the draft model does not share the target's vocabulary";
+        }
+        if (!why) {
+            struct powerinfer_context_params dcp = cp;
+            dcp.flash_attn = a.flash_attn;
+            dcp.batch_invariant = false;  // proposals need no exactness
+            draft.ctx = powerinfer_context_new(draft.model, dcp);
+            why = !draft.ctx ? "failed to create the draft model's context" : NULL;
+        }
+        draft.n_ctx = (int32_t) powerinfer_n_ctx(ctx);
+        draft.n_vocab = draft.model ? powerinfer_model_n_vocab(draft.model) : 0;
+        draft.held = why ? NULL : malloc((size_t) draft.n_ctx * sizeof(powerinfer_token));
+        if (!why && !draft.held) why = "out of memory";
+        if (why) {
+            fprintf(stderr, "error: %s (%s): %s\n", why, a.model_draft, powerinfer_last_error());
+            powerinfer_context_free(draft.ctx);
+            powerinfer_model_free(draft.model);
+            powerinfer_context_free(ctx);
+            powerinfer_model_free(model);
+            free(prompt);
+            return 1;
+        }
     }
 
     sp.seed            = a.seed;
@@ -392,7 +508,7 @@ int main(int argc, char ** argv) {
     int status = 1;
     const int32_t n_ctx = (int32_t) powerinfer_n_ctx(ctx);
     const size_t plen = strlen(prompt);
-    powerinfer_token * tokens = NULL;
+    powerinfer_token * tokens = NULL, * ids = NULL, * batch = NULL;
     int32_t n_prompt = 0;
     if (plen > INT32_MAX) {
         fprintf(stderr, "error: the prompt is too long\n");
@@ -434,27 +550,95 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "\nerror: prompt evaluation failed: %s\n", powerinfer_last_error());
         goto done;
     }
-    int32_t pos = n_prompt;
-    for (int32_t n_gen = 0; a.n_predict < 0 || n_gen < a.n_predict; ++n_gen) {
-        powerinfer_token tok = powerinfer_sampler_sample(smpl, ctx, -1);
-        if (tok < 0) {
-            fprintf(stderr, "\nerror: sampling failed: %s\n", powerinfer_last_error());
+    if (draft.ctx) {  // the draft reads the prompt too, before generation is timed
+        if (powerinfer_decode(draft.ctx, tokens, n_prompt, 0, false) != POWERINFER_OK) {
+            fprintf(stderr, "\nerror: the draft model failed: %s\n", powerinfer_last_error());
             goto done;
         }
-        if (!a.ignore_eos && powerinfer_token_is_eog(model, tok)) {
+        memcpy(draft.held, tokens, (size_t) n_prompt * sizeof(powerinfer_token));
+        draft.n_held = n_prompt;
+    }
+    // ids: the prompt and the generated tokens; batch: a token and its drafts.
+    ids = malloc(((size_t) n_ctx + 1) * sizeof(powerinfer_token));
+    batch = malloc(((size_t) a.draft_max + 1) * sizeof(powerinfer_token));
+    if (!ids || !batch) {
+        fprintf(stderr, "\nerror: out of memory\n");
+        goto done;
+    }
+    memcpy(ids, tokens, (size_t) n_prompt * sizeof(powerinfer_token));
+    const double t_gen0 = now_ms();
+    int32_t pos = n_prompt;  // the positions the target holds
+    int32_t n_gen = 0;
+    powerinfer_token tok = powerinfer_sampler_sample(smpl, ctx, -1);  // sampled, not decoded yet
+    while (tok >= 0) {
+        if ((a.n_predict >= 0 && n_gen >= a.n_predict) || (!a.ignore_eos && powerinfer_token_is_eog(model, tok))) {
             break;
         }
         print_piece(model, tok);
+        ids[pos] = tok;
+        ++n_gen;
         if (pos >= n_ctx) {
             fprintf(stderr, "\n[context of %d tokens is full]\n", n_ctx);
             break;
         }
-        if (powerinfer_decode(ctx, &tok, 1, pos, false) != POWERINFER_OK) {
+        int32_t n_draft = 0;
+        const int32_t room = a.draft_max < n_ctx - pos - 1 ? a.draft_max : n_ctx - pos - 1;
+        if (draft.ctx && room >= (a.draft_min > 1 ? a.draft_min : 1)) {
+            n_draft = draft_propose(&draft, ids, pos + 1, room, a.draft_p_min, batch + 1);
+            if (n_draft < 0) {
+                fprintf(stderr, "\nerror: the draft model failed: %s\n", powerinfer_last_error());
+                goto done;
+            }
+            n_draft = n_draft >= a.draft_min ? n_draft : 0;
+        }
+        batch[0] = tok;
+        if (powerinfer_decode(ctx, batch, 1 + n_draft, pos, n_draft > 0) != POWERINFER_OK) {
             fprintf(stderr, "\nerror: decode failed: %s\n", powerinfer_last_error());
             goto done;
         }
-        ++pos;
+        if (n_draft == 0) {
+            ++pos;
+            tok = powerinfer_sampler_sample(smpl, ctx, -1);
+            continue;
+        }
+        // Row i holds the logits after batch[i]: drawing from them and comparing with the draft
+        // batch[i + 1] is the acceptance rule for a point-mass proposal.
+        draft.n_steps += 1;
+        draft.n_drafted += n_draft;
+        bool stop = false;
+        int32_t i = 0;
+        powerinfer_token next = -1;
+        for (;; ++i) {
+            next = powerinfer_sampler_sample(smpl, ctx, i);
+            if (next < 0 || i == n_draft || next != batch[i + 1]) {
+                break;
+            }
+            draft.n_accepted += 1;
+            draft.n_generated += 1;
+            if ((a.n_predict >= 0 && n_gen >= a.n_predict) || (!a.ignore_eos && powerinfer_token_is_eog(model, next))) {
+                stop = true;
+                break;
+            }
+            print_piece(model, next);
+            ids[pos + i + 1] = next;
+            ++n_gen;
+        }
+        if (stop) {
+            break;
+        }
+        draft.n_generated += 1;
+        pos += i + 1;  // the token and the drafts it kept; the rest of the cache is dropped
+        if (powerinfer_kv_truncate(ctx, pos) != POWERINFER_OK) {
+            fprintf(stderr, "\nerror: %s\n", powerinfer_last_error());
+            goto done;
+        }
+        tok = next;
     }
+    if (tok < 0) {
+        fprintf(stderr, "\nerror: sampling failed: %s\n", powerinfer_last_error());
+        goto done;
+    }
+    const double t_gen = now_ms() - t_gen0;
     printf("\n");
     fflush(stdout);
     status = 0;
@@ -470,8 +654,21 @@ int main(int argc, char ** argv) {
             t.t_eval_ms, t.n_eval, t.n_eval ? t.t_eval_ms / t.n_eval : 0.0,
             t.t_eval_ms > 0 ? 1e3 * t.n_eval / t.t_eval_ms : 0.0);
     print_sparse_activity(model, ctx);
+    if (draft.ctx) {
+        fprintf(stderr, "speculative = %lld verify steps, %lld tokens drafted, %lld accepted (%.1f%%), %.2f tokens per step\n",
+                (long long) draft.n_steps, (long long) draft.n_drafted, (long long) draft.n_accepted,
+                draft.n_drafted ? 100.0 * draft.n_accepted / draft.n_drafted : 0.0,
+                draft.n_steps ? (double) draft.n_generated / draft.n_steps : 0.0);
+    }
+    fprintf(stderr, "generation  = %10.2f ms / %5d tokens (%8.2f tokens per second)\n", t_gen, n_gen,
+            t_gen > 0 ? 1e3 * n_gen / t_gen : 0.0);
 
 done:
+    free(ids);
+    free(batch);
+    free(draft.held);
+    powerinfer_context_free(draft.ctx);
+    powerinfer_model_free(draft.model);
     free(tokens);
     powerinfer_sampler_free(smpl);
     powerinfer_context_free(ctx);
