@@ -73,6 +73,19 @@ def _complete(future: concurrent.futures.Future, fn: Callable[..., Any], *args: 
         future.set_exception(exc)
 
 
+def _speculative_counters(st: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """Llama.speculative_stats as metrics (none before the first verify step)."""
+    if not st["verify_steps"]:
+        return {}
+    return {
+        "draft_verify_steps_total": st["verify_steps"],
+        "draft_tokens_total": st["drafted"],
+        "draft_tokens_accepted_total": st["accepted"],
+        "draft_acceptance_rate": st["acceptance_rate"],
+        "draft_tokens_per_step": st["tokens_per_step"],
+    }
+
+
 def _start_thread(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
     """fn() on a new daemon thread; the future completes when it returns."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -143,6 +156,7 @@ class _SerialEngine:
             "busy_seconds_total": (t["t_eval_ms"] + t["t_prompt_ms"]) / 1000,
             "tokens_per_second": t["n_eval"] / t["t_eval_ms"] * 1000 if t["t_eval_ms"] else 0.0,
             "sparse_active_fraction": llama.sparse_stats()["active"],
+            **_speculative_counters(llama.speculative_stats()),
         }
 
     def close(self) -> None:
@@ -219,6 +233,7 @@ class _SlotEngine:
             if st["busy_seconds"] else 0.0,
             "kv_cells_used": st["kv_cells_used"],
             "sparse_active_fraction": st["sparse_active"] / st["sparse_total"] if st["sparse_total"] else None,
+            **_speculative_counters(pool.speculative_stats()),
         }
 
     def close(self) -> None:
@@ -324,9 +339,27 @@ class ServerState:
         """Wait for the model lock; returns the (idempotent) release function."""
         return await _acquire(self._lock)
 
-    async def acquire_generation(self, model: Optional[str]) -> Tuple[Any, Callable[[], None]]:
-        """The Llama a completion runs on (a free slot with n_parallel > 1) and its release."""
-        return await self.engine.acquire_generation(model)
+    async def acquire_generation(self, model: Optional[str],
+                                 draft: Optional[Dict[str, Any]] = None) -> Tuple[Any, Callable[[], None]]:
+        """The Llama a completion runs on (a free slot with n_parallel > 1) and its release;
+        `draft`: drafting parameters for this request (Llama's draft_max, draft_min,
+        draft_p_min), in force until the release."""
+        llama, release = await self.engine.acquire_generation(model)
+        if not draft or getattr(llama, "_fallback", None) is not None:
+            return llama, release
+        try:
+            restore = llama._override_draft(**draft)
+        except BaseException:
+            release()
+            raise
+
+        def release_and_restore() -> None:
+            try:
+                restore()
+            finally:
+                release()
+
+        return llama, release_and_restore
 
     async def run_generation(self, fn: Callable[[], Any]) -> Any:
         """A completion's work: on the model thread, or with slots on a worker thread of

@@ -24,6 +24,11 @@ _ENGINE_METRICS: Dict[str, Tuple[str, str]] = {
     "tokens_per_second": ("gauge", "Tokens computed per busy second"),
     "kv_cells_used": ("gauge", "KV cache cells in use"),
     "sparse_active_fraction": ("gauge", "Share of FFN neurons the sparse steps computed"),
+    "draft_verify_steps_total": ("counter", "Speculative decoding: decodes that checked drafted tokens"),
+    "draft_tokens_total": ("counter", "Speculative decoding: tokens drafted and checked"),
+    "draft_tokens_accepted_total": ("counter", "Speculative decoding: drafted tokens accepted"),
+    "draft_acceptance_rate": ("gauge", "Speculative decoding: accepted / drafted tokens"),
+    "draft_tokens_per_step": ("gauge", "Speculative decoding: tokens generated per verify step"),
 }
 
 

@@ -26,6 +26,7 @@ _NOT_LLAMA_KWARGS = {
     "hf_model_repo_id",
     "draft_model",
     "draft_model_num_pred_tokens",
+    "model_draft",
     # PowerInfer-Py's own: passed only when set, so Llama's defaults apply otherwise.
     "vram_budget",
     "sparse_threshold",
@@ -94,11 +95,6 @@ def load_llama_from_model_settings(settings: ModelSettings, **overrides: Any):
             "Hugging Face tokenizers (--chat_format hf-*, --hf_pretrained_model_name_or_path) "
             "are not supported by powerinfer_py.server; the GGUF's tokenizer and chat template are used"
         )
-    if settings.draft_model is not None and settings.verbose:
-        print(
-            "powerinfer_py.server: --draft_model (speculative decoding) is not supported; ignored",
-            file=sys.stderr,
-        )
 
     kwargs: Dict[str, Any] = {
         name: value
@@ -111,6 +107,13 @@ def load_llama_from_model_settings(settings: ModelSettings, **overrides: Any):
         kwargs["vram_budget"] = settings.vram_budget
     if settings.sparse_threshold is not None:
         kwargs["sparse_threshold"] = settings.sparse_threshold
+    if settings.draft_model is not None:
+        from .._llama import upstream
+
+        kwargs["draft_model"] = upstream.llama_speculative().LlamaPromptLookupDecoding(
+            num_pred_tokens=settings.draft_model_num_pred_tokens)
+    if settings.model_draft is not None:
+        kwargs["draft_model_path"] = settings.model_draft
 
     llama = Llama(model_path=settings.model, **{**kwargs, **overrides})
 

@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from .._core import CancelCheck
 from .errors import APIError
-from .types import CreateChatCompletionRequest, CreateCompletionRequest
+from .types import SPECULATIVE_FIELDS, CreateChatCompletionRequest, CreateCompletionRequest
 
-__all__ = ["GenerationCancelled", "prepare_kwargs", "completion_kwargs", "chat_kwargs"]
+__all__ = ["GenerationCancelled", "prepare_kwargs", "completion_kwargs", "chat_kwargs", "draft_overrides"]
 
 
 def prepare_kwargs(
@@ -116,7 +116,7 @@ def _null_penalties_as_default(kwargs: Dict[str, Any]) -> None:
 
 
 def completion_kwargs(body: CreateCompletionRequest) -> Dict[str, Any]:
-    kwargs = body.model_dump(exclude={"n", "best_of", "logit_bias_type", "user", "min_tokens"})
+    kwargs = body.model_dump(exclude={"n", "best_of", "logit_bias_type", "user", "min_tokens", *SPECULATIVE_FIELDS})
     _null_penalties_as_default(kwargs)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -140,7 +140,8 @@ _TOOL_FIELDS = ("functions", "function_call", "tools", "tool_choice")
 
 def chat_kwargs(body: CreateChatCompletionRequest) -> Dict[str, Any]:
     kwargs = body.model_dump(
-        exclude={"n", "logit_bias_type", "user", "min_tokens", "max_completion_tokens", "response_format", *_TOOL_FIELDS}
+        exclude={"n", "logit_bias_type", "user", "min_tokens", "max_completion_tokens", "response_format", *_TOOL_FIELDS,
+                 *SPECULATIVE_FIELDS}
     )
     for name in _TOOL_FIELDS:  # as sent, without the nulls of optional keys left out
         value = getattr(body, name)
@@ -161,3 +162,15 @@ def chat_kwargs(body: CreateChatCompletionRequest) -> Dict[str, Any]:
     return kwargs
 
 
+
+
+def draft_overrides(body: Union[CreateCompletionRequest, CreateChatCompletionRequest]) -> Dict[str, Any]:
+    """The request's speculative.n_max / n_min / p_min (llama.cpp server's names), as Llama's
+    draft_max / draft_min / draft_p_min; 400 when they contradict each other. Each value's
+    range is the schema's (400 too)."""
+    out = {name: value for name, value in (("draft_max", body.speculative_n_max), ("draft_min", body.speculative_n_min),
+                                           ("draft_p_min", body.speculative_p_min)) if value is not None}
+    if "draft_max" in out and "draft_min" in out and out["draft_min"] > out["draft_max"]:
+        raise APIError(400, f"speculative.n_min ({out['draft_min']}) must not exceed speculative.n_max "
+                            f"({out['draft_max']})", param="speculative.n_min")
+    return out

@@ -20,7 +20,7 @@ from .. import __version__
 from .engine import ServerState
 from .errors import APIError, error_from_exception, error_response, json_response
 from .metrics import metrics_text
-from .requests import GenerationCancelled, chat_kwargs, completion_kwargs, prepare_kwargs
+from .requests import GenerationCancelled, chat_kwargs, completion_kwargs, draft_overrides, prepare_kwargs
 from .streaming import stream_response
 from .types import (
     CreateChatCompletionRequest,
@@ -77,7 +77,7 @@ async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method
     instead of running on to max_tokens or the end of the context for nobody."""
     state = _state(request)
     try:
-        llama, release = await state.acquire_generation(body.model)
+        llama, release = await state.acquire_generation(body.model, draft_overrides(body))
     except Exception as exc:
         return error_response(error_from_exception(exc, body))
     cancelled = threading.Event()

@@ -12,8 +12,11 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# llama_cpp.server's one --draft_model value (LlamaPromptLookupDecoding).
+PROMPT_LOOKUP = "prompt-lookup-decoding"
 
 # llama.cpp's values of these enums, written out so the settings do not import llama_cpp
 # (which install_as_llama_cpp() may have pointed at this package).
@@ -145,7 +148,25 @@ class ModelSettings(BaseSettings):
         description="Method to use for speculative decoding. One of (prompt-lookup-decoding).",
     )
     draft_model_num_pred_tokens: int = Field(
-        default=10, description="Number of tokens to predict using the draft model."
+        default=10, ge=1, description="Number of tokens to predict using the draft model."
+    )
+    model_draft: Optional[str] = Field(
+        default=None,
+        description="A draft model (GGUF on the model's vocabulary) for speculative decoding, llama.cpp's "
+        "--model-draft; each slot drafts with it under --n_parallel.",
+    )
+    draft_max: Optional[int] = Field(
+        default=None, ge=1, description="Tokens drafted per step (llama.cpp's --draft-max; default 16)."
+    )
+    draft_min: Optional[int] = Field(
+        default=None, ge=0, description="Fewer drafted tokens are not checked (llama.cpp's --draft-min; default 0)."
+    )
+    draft_p_min: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="A draft model stops drafting below this probability of its best token (llama.cpp's "
+        "--draft-p-min; default 0.75).",
     )
     # KV Cache Quantization
     type_k: Optional[int] = Field(default=None, description="Type of the key cache quantization.")
@@ -170,6 +191,20 @@ class ModelSettings(BaseSettings):
     )
     # Misc
     verbose: bool = Field(default=True, description="Whether to print debug information.")
+
+    @field_validator("draft_model")
+    @classmethod
+    def known_draft_method(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value != PROMPT_LOOKUP:
+            raise ValueError(f"--draft_model {value!r} is not a drafting method: the one there is is {PROMPT_LOOKUP!r} "
+                             "(a draft GGUF goes in --model_draft)")
+        return value
+
+    @model_validator(mode="after")
+    def draft_bounds_agree(self) -> "ModelSettings":
+        if self.draft_min is not None and self.draft_max is not None and self.draft_min > self.draft_max:
+            raise ValueError(f"--draft_min ({self.draft_min}) must not exceed --draft_max ({self.draft_max})")
+        return self
 
     @model_validator(mode="before")
     @classmethod

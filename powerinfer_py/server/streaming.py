@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from .engine import ServerState
 from .errors import APIError, dumps, error_from_exception, error_response
-from .requests import prepare_kwargs
+from .requests import draft_overrides, prepare_kwargs
 from .types import CreateChatCompletionRequest, CreateCompletionRequest
 
 __all__ = ["stream_response"]
@@ -260,7 +260,7 @@ async def stream_response(
     """
     state: ServerState = request.app.state.powerinfer
     try:
-        llama, release = await state.acquire_generation(body.model)
+        llama, release = await state.acquire_generation(body.model, draft_overrides(body))
     except Exception as exc:
         return error_response(error_from_exception(exc, body))
     iterator: Optional[Iterator[Any]] = None

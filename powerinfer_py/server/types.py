@@ -23,6 +23,17 @@ MAX_LOGPROBS = 20
 
 model_field = Field(description="The model to use for generating completions.", default=None)
 
+# Speculative decoding per request, under llama.cpp server's names (a server without a draft
+# ignores them, as llama.cpp's does).
+speculative_n_max_field = Field(default=None, ge=1, le=INT32_MAX, alias="speculative.n_max",
+                                description="Tokens drafted per step (the server's --draft_max by default).")
+speculative_n_min_field = Field(default=None, ge=0, le=INT32_MAX, alias="speculative.n_min",
+                                description="Fewer drafted tokens are not checked (--draft_min by default).")
+speculative_p_min_field = Field(default=None, ge=0.0, le=1.0, alias="speculative.p_min",
+                                description="A draft model stops below this probability (--draft_p_min by default).")
+# The fields above, which are not Llama arguments.
+SPECULATIVE_FIELDS = {"speculative_n_max", "speculative_n_min", "speculative_p_min"}
+
 min_tokens_field = Field(
     default=0,
     ge=0,
@@ -125,8 +136,12 @@ class CreateCompletionRequest(BaseModel):
     mirostat_tau: float = mirostat_tau_field
     mirostat_eta: float = mirostat_eta_field
     grammar: Optional[str] = None
+    speculative_n_max: Optional[int] = speculative_n_max_field
+    speculative_n_min: Optional[int] = speculative_n_min_field
+    speculative_p_min: Optional[float] = speculative_p_min_field
 
     model_config = {
+        "populate_by_name": True,
         "json_schema_extra": {
             "examples": [
                 {
@@ -273,8 +288,12 @@ class CreateChatCompletionRequest(BaseModel):
     mirostat_tau: float = mirostat_tau_field
     mirostat_eta: float = mirostat_eta_field
     grammar: Optional[str] = None
+    speculative_n_max: Optional[int] = speculative_n_max_field
+    speculative_n_min: Optional[int] = speculative_n_min_field
+    speculative_p_min: Optional[float] = speculative_p_min_field
 
     model_config = {
+        "populate_by_name": True,
         "json_schema_extra": {
             "examples": [
                 {
