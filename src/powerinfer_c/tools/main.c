@@ -568,6 +568,10 @@ int main(int argc, char ** argv) {
     memcpy(ids, tokens, (size_t) n_prompt * sizeof(powerinfer_token));
     const double t_gen0 = now_ms();
     int32_t pos = n_prompt;  // the positions the target holds
+    // A sparse target checks at most sparse_max_batch tokens at once: a larger batch takes the
+    // dense FFN over the batch copies, which rounds differently from the one-token steps.
+    const int32_t draft_batch_max = powerinfer_model_sparse_mode(model) != POWERINFER_SPARSE_DENSE
+                                        ? powerinfer_sparse_max_batch(ctx) : INT32_MAX;
     int32_t n_gen = 0;
     powerinfer_token tok = powerinfer_sampler_sample(smpl, ctx, -1);  // sampled, not decoded yet
     while (tok >= 0) {
@@ -582,7 +586,8 @@ int main(int argc, char ** argv) {
             break;
         }
         int32_t n_draft = 0;
-        const int32_t room = a.draft_max < n_ctx - pos - 1 ? a.draft_max : n_ctx - pos - 1;
+        int32_t room = a.draft_max < n_ctx - pos - 1 ? a.draft_max : n_ctx - pos - 1;
+        room = room < draft_batch_max - 1 ? room : draft_batch_max - 1;
         if (draft.ctx && room >= (a.draft_min > 1 ? a.draft_min : 1)) {
             n_draft = draft_propose(&draft, ids, pos + 1, room, a.draft_p_min, batch + 1);
             if (n_draft < 0) {
