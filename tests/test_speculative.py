@@ -29,7 +29,7 @@ GREEDY = dict(temperature=0.0, repeat_penalty=1.0)
 
 
 def _llama(path, **kw):
-    return Llama(path, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS, verbose=False, **kw)
+    return Llama(path, **{"n_ctx": 512, "n_threads": N_THREADS, "n_threads_batch": N_THREADS, "verbose": False, **kw})
 
 
 class Oracle:
@@ -231,7 +231,9 @@ def _first_two_tokens_exact(target_path, prompt, sampling):
     from powerinfer_py._core import Context, Model, Sampler
 
     model = Model(target_path)
-    ctx = Context(model, n_ctx=64, batch_invariant=True, flash_attn=1)
+    # One thread: a tiny model's one-token decodes gain nothing from more, and a thread pool
+    # spinning on a loaded machine made these 270 decodes take a minute.
+    ctx = Context(model, n_ctx=64, n_threads=1, n_threads_batch=1, batch_invariant=True, flash_attn=1)
     sampler = Sampler(model, seed=0, penalty_last_n=0, repeat_penalty=1.0, frequency_penalty=0.0,
                       presence_penalty=0.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, **sampling)
     ctx.decode(prompt, 0)
@@ -245,6 +247,11 @@ def _first_two_tokens_exact(target_path, prompt, sampling):
     return p1 / p1.sum()
 
 
+# Seeds of the end-to-end test: the planted rule's chi-square grows with them, the right one's
+# stays near its degrees of freedom.
+N_SEEDS = 2500
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_sampled_draft_model_keeps_the_distribution(tiny_pair, monkeypatch, planted):
     """A draft model on another model's weights draws its drafts from its own distribution q;
@@ -254,13 +261,17 @@ def test_sampled_draft_model_keeps_the_distribution(tiny_pair, monkeypatch, plan
     # A low temperature: peaked p and q, where drawing rejections from p instead of the
     # residual shows (chi-square 96 against a critical 44; the right rule 18, 15 expected).
     sampling = dict(temp=0.4, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
-    llm = _llama(target, draft_model_path=draft, draft_max=2, draft_p_min=0.0)
+    # One thread, as in _first_two_tokens_exact: thousands of tiny decodes.
+    llm = _llama(target, draft_model_path=draft, draft_max=2, draft_p_min=0.0, n_threads=1, n_threads_batch=1)
+    # Draft at every step: left to itself the drafter stops drafting once it sees that these
+    # two random models rarely agree (speculative.DraftLength), and the rule would go unused.
+    monkeypatch.setattr(llm._drafter.length, "choose", lambda room, n_min: room)
     prompt = llm.tokenize(b"once upon a time", add_bos=True)
     expected = _first_two_tokens_exact(target, prompt, sampling)
     if planted:
         monkeypatch.setattr(generation, "accept_draft", _wrong_rule)
     counts = np.zeros(llm.n_vocab())
-    for seed in range(2500):
+    for seed in range(N_SEEDS):
         llm.set_seed(seed)
         it = llm.generate(prompt, repeat_penalty=1.0, **sampling)
         next(it)
@@ -321,6 +332,25 @@ def test_main_with_a_draft_model_prints_the_same_text(cli_path, model_file, samp
     assert "speculative =" in spec.stderr and " 0 accepted" not in spec.stderr, spec.stderr
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "powerinfer"])
+def test_main_with_a_draft_on_qwen_and_a_powerinfer_file(cli_path, model_file, tiny_pair, name):
+    """Greedy `main -md` on Qwen2.5-Coder-0.5B (drafting for itself) and on a PowerInfer file
+    in predictor mode, drafted for by its dense twin (mostly agreeing, sometimes not: both
+    branches of the check run; main bounds a check by sparse_max_batch as Llama does)."""
+    if name == "powerinfer":
+        path, draft, extra = tiny_pair[0]["powerinfer"], tiny_pair[0]["dense"], ["--ignore-eos"]
+    else:
+        path = draft = model_file(name)
+        extra = []
+    common = ["-m", path, "-p", COPY_PROMPT, "-n", str(N_GEN), "-t", str(N_THREADS), "-c", "512", "--temp", "0",
+              *extra]
+    plain = _main(cli_path, *common, "--batch-invariant")
+    spec = _main(cli_path, *common, "-md", draft, "--draft-max", "12", "--draft-p-min", "0")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "speculative =" in spec.stderr and " 0 accepted" not in spec.stderr, spec.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--draft-max", "0"], "--draft-max"),
     (["--draft-max", "2", "--draft-min", "3"], "--draft-min"),
@@ -364,6 +394,45 @@ def test_server_slots_draft_and_give_the_solo_text(spec_server, model_file):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected
     metrics = spec_server.get("/metrics").text
+    accepted = [line for line in metrics.splitlines() if line.startswith("powerinfer_draft_tokens_accepted_total ")]
+    assert accepted and float(accepted[0].split()[1]) > 0, metrics
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "powerinfer"])
+def test_server_slots_with_a_draft_model_give_the_solo_text(model_file, tiny_pair, name):
+    """--model_draft under --n_parallel: each slot drafts with its own context on the draft
+    model; two requests at once, each the batch-invariant solo run's text. Qwen2.5-Coder-0.5B
+    drafting for itself; a PowerInfer file (predictor mode) drafted for by its dense twin."""
+    pytest.importorskip("fastapi")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from powerinfer_py.server.app import create_app
+    from powerinfer_py.server.settings import Settings
+
+    if name == "powerinfer":
+        path, draft = tiny_pair[0]["powerinfer"], tiny_pair[0]["dense"]
+        prompts = ["the cat sat on the mat and the dog", "once upon a time"]
+    else:
+        path = draft = model_file(name)
+        prompts = [COPY_PROMPT, "def fibonacci(n):"]
+    solo = _llama(path, batch_invariant=True)
+    # End-of-text banned: the random weights of the synthetic file would end early.
+    bias = {str(solo.token_eos()): -100.0}
+    expected = [_completion_tokens(solo, p, n=24, logit_bias=bias) for p in prompts]
+    solo.close()
+    settings = Settings(model=path, model_draft=draft, n_ctx=512, n_batch=512, n_threads=N_THREADS,
+                        n_threads_batch=N_THREADS, verbose=False, n_parallel=2, draft_max=8, draft_p_min=0.0)
+    with TestClient(create_app(settings)) as client:
+        def post(prompt):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "logit_bias": bias,
+                                                     **GREEDY})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert list(ThreadPoolExecutor(2).map(post, prompts)) == expected
+        metrics = client.get("/metrics").text
     accepted = [line for line in metrics.splitlines() if line.startswith("powerinfer_draft_tokens_accepted_total ")]
     assert accepted and float(accepted[0].split()[1]) > 0, metrics
 
