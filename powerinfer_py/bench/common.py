@@ -10,7 +10,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+import time
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .._machine import cpu_model
 from ..assets.models import cache_dir
@@ -61,6 +62,22 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def greedy_steps_interleaved(ref: Any, ours: Any, n_gen: int) -> Tuple[float, float]:
+    """n_gen greedy decode steps of llama-cpp-python's Llama (ref) and ours, one step of each
+    in turn (the machine's bandwidth drifts); the seconds each engine spent."""
+    import numpy as np
+
+    t_ref = t_ours = 0.0
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        ref.eval([int(np.argmax(ref._scores[-1]))])
+        t_ref += time.perf_counter() - t
+        t = time.perf_counter()
+        ours.eval([int(np.argmax(ours._last_logits_view()))])
+        t_ours += time.perf_counter() - t
+    return t_ref, t_ours
 
 
 def child_main(spec_json: str) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..assets.models import cache_dir
 from ..pipeline.evaluate import prompt_timer
-from .common import ChildError, peak_rss_mib, print_table, spawn
+from .common import ChildError, greedy_steps_interleaved, peak_rss_mib, print_table, spawn
 
 INPUTS = ("qkv", "o", "ffn", "down")
 PROMPT_TEXT = (
@@ -110,14 +110,7 @@ def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, An
         ref.eval([int(np.argmax(ref._scores[-1]))])
         ours.eval([int(np.argmax(ours._last_logits_view()))])
     ours.reset_timings()
-    t_ref = t_ours = 0.0
-    for _ in range(n_gen):
-        t = time.perf_counter()
-        ref.eval([int(np.argmax(ref._scores[-1]))])
-        t_ref += time.perf_counter() - t
-        t = time.perf_counter()
-        ours.eval([int(np.argmax(ours._last_logits_view()))])
-        t_ours += time.perf_counter() - t
+    t_ref, t_ours = greedy_steps_interleaved(ref, ours, n_gen)
     ctx = ours._require_ctx()
     n_layer = ours._model.n_layer()
     kept = [[(lambda k: k[0] / k[1] if k[1] else 1.0)(ctx.input_stats(il, i)) for i in range(4)] for il in range(n_layer)]

@@ -32,7 +32,7 @@ import numpy as np
 
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..pipeline.evaluate import prompt_timer
-from .common import add_pair_arguments, ChildError, missing_pair, peak_rss_mib, print_table, spawn
+from .common import add_pair_arguments, ChildError, greedy_steps_interleaved, missing_pair, peak_rss_mib, print_table, spawn
 
 PROMPT_TEXT = (
     "In the beginning of the industrial age, the cities of northern England grew faster than anyone had "
@@ -104,14 +104,7 @@ def decode_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int)
     ref.eval(prompt)
     ours.eval(_prompt_tokens(lambda b: ours.tokenize(b), 16))
     ours.reset_timings()
-    t_ref = t_ours = 0.0
-    for _ in range(n_gen):
-        t = time.perf_counter()
-        ref.eval([int(np.argmax(ref._scores[-1]))])
-        t_ref += time.perf_counter() - t
-        t = time.perf_counter()
-        ours.eval([int(np.argmax(ours._last_logits_view()))])
-        t_ours += time.perf_counter() - t
+    t_ref, t_ours = greedy_steps_interleaved(ref, ours, n_gen)
     stats = ours.sparse_stats()
     n_layer = len(stats["layers"])
     active = [1.0 if a is None else a for a in stats["layers"]]

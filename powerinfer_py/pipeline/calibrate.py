@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -24,11 +24,13 @@ from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
 from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file
 
+T = TypeVar("T")
 
-def collect_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2,
-                       chunk: int = 256, progress: bool = True):
-    """Per-layer histograms of |act(gate)| over up to n_tokens corpus tokens.
-    Returns (counts [n_layer, n_bins], log10_min, log10_max)."""
+
+def decode_calibration(model_path: str, texts: Sequence[str], n_tokens: int, read: Callable[[Context], T],
+                       n_threads: int = 2, chunk: int = 256, progress: bool = True) -> Tuple[T, int]:
+    """Runs up to n_tokens calibration tokens (whole chunks) through the dense model with the
+    core's activation histograms on; returns (read(context) afterwards, tokens used)."""
     with Model(model_path, sparse_mode="dense") as model, \
             Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
         tokens: List[int] = []
@@ -38,13 +40,21 @@ def collect_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_t
                 break
         tokens = tokens[:n_tokens]
         if len(tokens) < chunk:
-            raise PipelineError(f"the corpus has only {len(tokens)} tokens; need at least {chunk}")
-        bar = Progress("calibrating", len(tokens) // chunk * chunk, progress)
-        for done in range(0, len(tokens) - chunk + 1, chunk):
+            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
+        used = len(tokens) // chunk * chunk
+        bar = Progress("calibrating", used, progress)
+        for done in range(0, used, chunk):
             ctx.decode(tokens[done : done + chunk], 0)
             bar.update(done + chunk)
         bar.close()
-        return ctx.activation_histograms()
+        return read(ctx), used
+
+
+def collect_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2,
+                       chunk: int = 256, progress: bool = True):
+    """Per-layer histograms of |act(gate)| over up to n_tokens corpus tokens.
+    Returns (counts [n_layer, n_bins], log10_min, log10_max)."""
+    return decode_calibration(model_path, texts, n_tokens, Context.activation_histograms, n_threads, chunk, progress)[0]
 
 
 def thresholds_for_sparsity(counts: np.ndarray, log10_min: float, log10_max: float, sparsity: float) -> np.ndarray:

@@ -37,9 +37,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._core import Context, Model
+from .._core import Context
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file
+from .calibrate import decode_calibration
+from .common import PipelineError, files, read_corpus, run_cli, same_file
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
 KEY_INPUT_SPARSITY = "powerinfer.input_sparsity"
@@ -59,24 +60,9 @@ def collect_input_histograms(model_path: str, texts: Sequence[str], n_tokens: in
                              progress: bool = True) -> Tuple[np.ndarray, float, float, int]:
     """Histograms of |x| at every layer's four inputs over up to n_tokens calibration tokens:
     (counts [n_layer, 4, n_bins], log10_min, log10_max, tokens used)."""
-    with Model(model_path, sparse_mode="dense") as model, \
-            Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
-        tokens: List[int] = []
-        for text in texts:
-            tokens.extend(model.tokenize(text.encode(), True, False))
-            if len(tokens) >= n_tokens:
-                break
-        tokens = tokens[:n_tokens]
-        if len(tokens) < chunk:
-            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
-        used = len(tokens) // chunk * chunk
-        bar = Progress("calibrating", used, progress)
-        for done in range(0, used, chunk):
-            ctx.decode(tokens[done:done + chunk], 0)
-            bar.update(done + chunk)
-        bar.close()
-        counts, lo, hi = ctx.input_histograms()
-        return counts, lo, hi, used
+    (counts, lo, hi), used = decode_calibration(model_path, texts, n_tokens, Context.input_histograms, n_threads, chunk,
+                                                progress)
+    return counts, lo, hi, used
 
 
 def _bin_edges(n_bins: int, lo: float, hi: float) -> np.ndarray:
