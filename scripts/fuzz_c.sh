@@ -91,7 +91,10 @@ for t in $TARGETS; do
     args=(-max_total_time="$SECONDS_EACH" -max_len="$MAX_LEN" -timeout=10 -rss_limit_mb=2048
           -dict=tests/fuzz/gguf.dict -artifact_prefix="$OUT/artifacts/$t-" -print_final_stats=1)
     [ "$JOBS" -gt 1 ] && args+=(-fork="$JOBS" -ignore_crashes=0)
-    fuzz_target "$t" "$corpus" "$log" "$OUT/artifacts" "$OUT/bin/fuzz-$t" "${args[@]}" "$corpus" "$OUT/seeds/$t"
+    # env -u LD_PRELOAD: the fuzzers carry clang's own ASan runtime, and gcc's, which
+    # scripts/sanitize.sh preloads into the test run (make_seeds above needs it), cannot live
+    # beside it ("linked against incompatible ASan runtimes", abort)
+    fuzz_target "$t" "$corpus" "$log" "$OUT/artifacts" env -u LD_PRELOAD "$OUT/bin/fuzz-$t" "${args[@]}" "$corpus" "$OUT/seeds/$t"
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"
