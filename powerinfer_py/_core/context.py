@@ -210,6 +210,13 @@ class Context(Handle):
             raise core_error(f"input statistics of layer {layer}, input {input}", rc)
         return int(kept[0]), int(total[0])
 
+    def set_input_threshold(self, layer: int, input: int, tau: float) -> None:
+        """Input mode: the threshold of input `input` of `layer` for later steps (the input
+        must have its column copy: a threshold >= 0 in the file)."""
+        rc = lib.powerinfer_set_input_threshold(self.ptr, layer, input, float(tau))
+        if rc != OK:
+            raise core_error(f"input threshold of layer {layer}, input {input}", rc)
+
     def input_histograms(self) -> Tuple[np.ndarray, float, float]:
         """Histograms of |x| of every matrix's input since the context was made (needs
         collect_activations=True): (counts uint64 [n_layer, 4, n_bins], log10_min, log10_max),

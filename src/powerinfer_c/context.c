@@ -1078,6 +1078,22 @@ int32_t powerinfer_input_stats(const struct powerinfer_context * ctx, int32_t il
     return POWERINFER_OK;
 }
 
+int32_t powerinfer_set_input_threshold(struct powerinfer_context * ctx, int32_t il, int32_t input, float tau) {
+    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d is out of range", il, input);
+    }
+    if (!(tau >= 0.0f) || isinf(tau)) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "an input threshold must be finite and >= 0, got %g", tau);
+    }
+    const int32_t k = il * POWERINFER_INPUT_COUNT + input;
+    if (ctx->model->hp.sparse_mode != POWERINFER_SPARSE_INPUT || ctx->input_ops[k].cm->n_segs == 0) {
+        return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d has no column copy (not input mode, or dense in the file)",
+                       il, input);
+    }
+    ctx->inputs[k].threshold = tau;
+    return POWERINFER_OK;
+}
+
 int32_t powerinfer_input_histogram(const struct powerinfer_context * ctx, int32_t il, int32_t input, uint64_t * counts,
                                    int32_t n_bins, float * log10_min, float * log10_max) {
     if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT ||

@@ -451,6 +451,11 @@ POWERINFER_API int32_t powerinfer_sparse_stats(const struct powerinfer_context *
 // last reset, per token (n_total: entries considered).
 POWERINFER_API int32_t powerinfer_input_stats(const struct powerinfer_context * ctx, int32_t il, int32_t input,
                                               int64_t * n_kept, int64_t * n_total);
+// Input mode: sets the threshold of input `input` of layer il for this context's later
+// steps (|x| > tau kept; 0 keeps every nonzero entry). Only an input that has its column
+// copy (a threshold >= 0 in the file) can change; finite tau >= 0. For measuring a
+// model's sensitivity without writing files (powerinfer sparsify).
+POWERINFER_API int32_t powerinfer_set_input_threshold(struct powerinfer_context * ctx, int32_t il, int32_t input, float tau);
 // The path a single token's dense down projection takes in layer il on a file that stores
 // it transposed (ffn_down_t, PowerInfer's files): 0 the AXPY over the rows of nonzero
 // activations, 1 the matmul over the batch copy (chosen by the measured nonzero share, or
