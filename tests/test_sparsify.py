@@ -23,6 +23,7 @@ import pytest
 from powerinfer_py import Llama
 from powerinfer_py._core import Context, Model
 from powerinfer_py.pipeline import cli
+from powerinfer_py.pipeline import sparsify as sparsify_mod
 from powerinfer_py.pipeline.sparsify import (INPUTS, KEY_INPUT_THRESHOLDS, allocate, dropped_energy, sparsify,
                                              threshold_for)
 
@@ -49,6 +50,14 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+@pytest.fixture(autouse=True)
+def small_probe(monkeypatch):
+    """The measured allocation's probe on 2 passages of 64 tokens (the tool's 4 x 128 takes
+    a minute on SmolLM2's 30 layers; what is checked here does not need them)."""
+    monkeypatch.setattr(sparsify_mod, "PROBE_PASSAGES", 2)
+    monkeypatch.setattr(sparsify_mod, "PROBE_TOKENS", 64)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     f = tmp_path_factory.mktemp("corpus") / "corpus.txt"
@@ -61,7 +70,9 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
     src = smollm2_path if which == "smollm2" else qwen_path
     before = _sha(src)
     out = tmp_path / "sparse.gguf"
-    r = sparsify(src, str(out), 0.3, [corpus], n_tokens=512, progress=False)
+    # SmolLM2 by the default (measured) allocation on a small probe, Qwen by the energy greedy
+    r = sparsify(src, str(out), 0.3, [corpus], n_tokens=512, progress=False,
+                 allocation="measured" if which == "smollm2" else "greedy")
     assert _sha(src) == before  # the input is untouched
     n_layer = r["thresholds"].shape[0]
     if which == "smollm2":
@@ -191,3 +202,30 @@ def test_main_cli_runs_a_sparse_copy(smollm2_path, corpus, tmp_path, cli_path):
     r = subprocess.run([str(cli_path), "-m", str(out), "-p", "x", "-n", "2", "--sparse-mode", "input", "--sparse-threshold", "-1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "threshold" in r.stderr
+
+
+def test_measured_weights_and_runtime_thresholds(smollm2_path, corpus):
+    from powerinfer_py.pipeline.common import read_corpus
+
+    counts, lo, hi, _ = sparsify_mod.collect_input_histograms(smollm2_path, read_corpus([corpus]), 512, progress=False)
+    n_layer = counts.shape[0]
+    nbytes = sparsify_mod.input_bytes(smollm2_path, n_layer)
+    w = sparsify_mod.measure_weights(smollm2_path, read_corpus([corpus]), counts, lo, hi, nbytes, progress=False)
+    assert w.shape == (n_layer, len(INPUTS)) and np.isfinite(w).all() and (w > 0).all()
+    assert w.mean() == pytest.approx(1.0)
+    # separable: a layer's weights are the same kind weights scaled
+    ratio = w / w[0:1, :]
+    assert np.allclose(ratio, ratio[:, :1], rtol=1e-9)
+    # the weighted greedy still lands on the budget, with inputs dense or at least S_MIN sparse
+    s = allocate(counts, lo, hi, nbytes, 0.4, "greedy", weights=w)
+    assert (s * nbytes).sum() / nbytes.sum() == pytest.approx(0.4)
+    assert ((s == 0) | (s >= sparsify_mod.S_MIN - 1e-9)).all()
+    # the runtime thresholds: only where a column copy exists, finite and >= 0
+    with Model(smollm2_path, sparse_mode="input", sparse_threshold=0.0) as m, Context(m, n_ctx=64, n_threads=2) as c:
+        c.set_input_threshold(0, 0, 0.5)
+        for bad in ((n_layer, 0, 0.1), (0, 4, 0.1), (0, 0, -1.0), (0, 0, float("nan")), (0, 0, float("inf"))):
+            with pytest.raises(Exception, match="threshold|range"):
+                c.set_input_threshold(*bad)
+    with Model(smollm2_path, sparse_mode="dense") as m, Context(m, n_ctx=64, n_threads=2) as c:
+        with pytest.raises(Exception, match="column copy"):
+            c.set_input_threshold(0, 0, 0.1)

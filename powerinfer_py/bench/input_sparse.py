@@ -4,7 +4,7 @@ original file, same machine, same run, same threads:
     python -m powerinfer_py.bench sparse --model MODEL.gguf [--sparsities 0,0.25,0.4,0.5]
         [--corpus FILE...] [--text [NAME=]FILE...] [--threads 2] [--n-gen 128] [--reps 3]
 
-For each sparsity a sparse copy of MODEL is made once (`powerinfer sparsify`, greedy
+For each sparsity a sparse copy of MODEL is made once (`powerinfer sparsify`, measured
 allocation, calibrated on --corpus, else on 2048 tokens of the model's own samples) and
 kept under <cache>/sparse/. Then, per sparsity:
 - decode: after a 16-token prompt, --n-gen greedy tokens, the two engines' steps
@@ -63,14 +63,16 @@ def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], 
     for all of them) and reused while newer than the model."""
     from ..pipeline.sparsify import sparsify
 
-    paths, histograms = {}, None
+    paths, histograms, weights = {}, None, None
     for sparsity in sparsities:
         out = paths[f"{sparsity:.2f}"] = sparse_path(model, sparsity)
         if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model):
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
-            r = sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads, histograms=histograms)
+            r = sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads, histograms=histograms,
+                         weights=weights)
             histograms = r["histograms"] or histograms
+            weights = r["weights"] if r["weights"] is not None else weights
     return paths
 
 

@@ -1,7 +1,7 @@
 """Any GGUF faster without retraining: input sparsity on every matrix (TEAL-style).
 
     powerinfer sparsify MODEL.gguf --sparsity S --out OUT.gguf [--corpus FILE...] [--samples N]
-                        [--allocation greedy|uniform] [--text [NAME=]FILE...] [--card CARD]
+                        [--allocation measured|greedy|uniform] [--text [NAME=]FILE...] [--card CARD]
 
 Each matrix of every layer (q/k/v, o, gate/up, down) reads only the columns of its
 input's entries with |x| above a threshold, so a decode step reads that fraction of the
@@ -16,10 +16,12 @@ everything.
 Calibration text: --corpus files (plain text, or `powerinfer sample` .jsonl) and, with
 --samples N, N tokens the model itself writes (`powerinfer sample`; the default when no
 corpus is given). --sparsity is the share of the matrices' bytes not read per token.
---allocation uniform drops that share of every input; greedy (the default) spends the same
-byte budget where it costs least: per input, the share of the products' energy it drops
-(sum of the dropped x^2 over sum of x^2, from the histograms) weighted by the bytes it
-saves, the cheapest first (docs/input-sparsity.md says why and shows that it wins).
+--allocation uniform drops that share of every input; greedy spends the same byte budget
+where it costs least: per input, the share of the products' energy it drops (sum of the
+dropped x^2 over sum of x^2, from the histograms) per byte it saves, the cheapest first;
+measured (the default) runs the same greedy on energy curves weighted by the harm measured
+on the calibration text per layer and per input kind (measure_weights; docs/input-sparsity.md
+shows what each allocation costs on held-out text).
 
 It ends with the trust card (`powerinfer eval`) of OUT against the original on the
 --text domains (held-out text: give domains no calibration step saw), written to --card
@@ -37,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._core import Context
+from .._core import Context, Model
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
 from .calibrate import decode_calibration
 from .common import PipelineError, files, read_corpus, run_cli, same_file
@@ -120,7 +122,7 @@ S_MIN = 0.25
 
 
 def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, sparsity: float,
-             method: str = "greedy") -> np.ndarray:
+             method: str = "greedy", weights: Optional[np.ndarray] = None) -> np.ndarray:
     """Per (layer, input) sparsity whose byte-weighted mean is `sparsity`. uniform: the same
     everywhere; greedy: minimise the summed dropped-energy shares for those bytes, each step
     the input whose next step of sparsity costs the least energy per byte saved (optimal for
@@ -135,6 +137,8 @@ def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, spars
         raise PipelineError(f"--allocation must be greedy or uniform, got {method!r}")
     grid = np.concatenate([[0.0], np.arange(S_MIN, 0.95 + 1e-9, STEP)])
     curves = np.array([[dropped_energy(counts[il, i], lo, hi, grid) for i in range(n_in)] for il in range(n_layer)])
+    if weights is not None:  # measured harm per unit of dropped energy (measure_sensitivity)
+        curves = curves * np.asarray(weights, dtype=np.float64)[..., None]
     level = np.zeros((n_layer, n_in), dtype=np.int64)
     s = np.zeros((n_layer, n_in))
     target = sparsity * nbytes.sum()
@@ -160,6 +164,96 @@ def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, spars
         level[il, i] += 1
         s[il, i] = grid[level[il, i]]
     return s
+
+
+# The measured allocation (the default): the harm of dropping an input's small entries is
+# not its dropped-energy share alone. A layer's errors weigh more or less on the output (on
+# Qwen2.5-Coder-1.5B the first and last layers about twice the middle ones), and so does an
+# input kind. So one probe allocation (greedy by energy at PROBE_SPARSITY) is run on the
+# calibration text: each layer's four inputs alone, then each input kind in every layer
+# alone, each scored by its KL divergence from the same model with nothing dropped. The
+# ratio of KL to the dropped energy gives a weight per layer and per kind (a separable fit),
+# and the greedy allocation runs again on the weighted curves. A fixed probe makes the
+# weights depend on the model and the text alone, so every sparsity uses the same ones.
+PROBE_SPARSITY = 0.4
+PROBE_PASSAGES, PROBE_TOKENS, PROBE_BATCH = 4, 128, 16
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _passage_logp(ctx: Context, passage: Sequence[int]) -> np.ndarray:
+    """log-softmax of the logits at every position but the last, the tokens after the first
+    in batches of PROBE_BATCH (input mode computes each token of a batch as it would alone)."""
+    n = len(passage)
+    out = np.empty((n - 1, ctx.n_vocab), dtype=np.float32)
+    ctx.decode([int(passage[0])], 0)
+    out[0] = ctx.logits(-1)
+    pos = 1
+    while pos < n - 1:
+        k = min(PROBE_BATCH, n - 1 - pos)
+        ctx.decode([int(t) for t in passage[pos : pos + k]], pos, logits_all=True)
+        out[pos : pos + k] = ctx.logits(0, k)
+        pos += k
+    return _log_softmax(out)
+
+
+def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
+                    threads: int = 2, progress: bool = True) -> np.ndarray:
+    """Per (layer, input) weight of the dropped-energy curves: [n_layer, 4] (see PROBE_SPARSITY)."""
+    from .._progress import Progress
+
+    n_layer = counts.shape[0]
+    probe = allocate(counts, lo, hi, nbytes, PROBE_SPARSITY, "greedy")
+    energy = np.array([[dropped_energy(counts[il, i], lo, hi, np.array([probe[il, i]]))[0] if probe[il, i] > 0 else 0.0
+                        for i in range(len(INPUTS))] for il in range(n_layer)])
+    # every input mapped (threshold 0 keeps every nonzero entry), thresholds set per probe
+    with Model(model_path, sparse_mode="input", sparse_threshold=0.0) as model, \
+            Context(model, n_ctx=PROBE_TOKENS + 8, n_threads=threads, n_threads_batch=threads,
+                    sparse_max_batch=PROBE_BATCH) as ctx:
+        tokens: List[int] = []
+        for text in texts:
+            tokens.extend(model.tokenize(text.encode(), True, False))
+            if len(tokens) >= PROBE_PASSAGES * PROBE_TOKENS:
+                break
+        if len(tokens) < 2 * PROBE_TOKENS:
+            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; the measured allocation needs "
+                                f"{2 * PROBE_TOKENS} (or use --allocation greedy)")
+        passages = [tokens[k : k + PROBE_TOKENS] for k in range(0, len(tokens) - PROBE_TOKENS + 1, PROBE_TOKENS)]
+        passages = passages[:PROBE_PASSAGES]
+
+        def set_levels(s: np.ndarray) -> None:
+            for il in range(n_layer):
+                for i in range(len(INPUTS)):
+                    ctx.set_input_threshold(il, i, threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else 0.0)
+
+        def kl(s: np.ndarray) -> float:
+            set_levels(s)
+            out = [float((np.exp(r) * (r - _passage_logp(ctx, p))).sum(axis=-1).mean()) for p, r in zip(passages, refs)]
+            bar.advance(1)
+            return float(np.mean(out))
+
+        bar = Progress("measuring sensitivity", 1 + n_layer + len(INPUTS), progress)
+        set_levels(np.zeros_like(probe))
+        refs = [_passage_logp(ctx, p) for p in passages]
+        bar.advance(1)
+        layer_kl = np.array([kl(np.where(np.arange(n_layer)[:, None] == il, probe, 0.0)) for il in range(n_layer)])
+        kind_kl = np.array([kl(np.where(np.arange(len(INPUTS))[None, :] == i, probe, 0.0)) for i in range(len(INPUTS))])
+        bar.close()
+    # separable fit KL ~ w_layer * sum_i w_kind[i] * energy[il, i]; an input the probe left
+    # dense (or a kind with nothing dropped) keeps weight 1 relative to the mean
+    w_kind = np.where(energy.sum(0) > 0, kind_kl / np.maximum(energy.sum(0), 1e-12), np.nan)
+    w_kind = np.where(np.isfinite(w_kind) & (w_kind > 0), w_kind, np.nanmean(np.where(w_kind > 0, w_kind, np.nan)))
+    per_layer = (energy * w_kind).sum(1)
+    w_layer = np.where(per_layer > 0, layer_kl / np.maximum(per_layer, 1e-12), np.nan)
+    w_layer = np.where(np.isfinite(w_layer) & (w_layer > 0), w_layer, np.nanmean(np.where(w_layer > 0, w_layer, np.nan)))
+    w = w_layer[:, None] * w_kind[None, :]
+    if not np.all(np.isfinite(w)):  # nothing measurable (no input dropped anything): plain greedy
+        return np.ones_like(w)
+    return w / w.mean()
 
 
 def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, method: str, progress: bool = True) -> None:
@@ -191,12 +285,18 @@ def calibration_texts(corpus: Sequence[str], samples: int, model_path: str, thre
     return texts
 
 
+ALLOCATIONS = ("measured", "greedy", "uniform")
+
+
 def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
-             n_tokens: int = 8192, allocation: str = "greedy", threads: int = 2, progress: bool = True,
-             histograms: Optional[Tuple[np.ndarray, float, float, int]] = None) -> Dict:
-    """The sparse copy of model_path at this byte-weighted sparsity; `histograms` (the result
-    of a previous run's "histograms") skips the calibration, so one calibration serves
-    several sparsities."""
+             n_tokens: int = 8192, allocation: str = "measured", threads: int = 2, progress: bool = True,
+             histograms: Optional[Tuple[np.ndarray, float, float, int]] = None,
+             weights: Optional[np.ndarray] = None) -> Dict:
+    """The sparse copy of model_path at this byte-weighted sparsity; `histograms` and `weights`
+    (a previous run's results of those names) skip the calibration and the sensitivity
+    measurement, so one of each serves several sparsities."""
+    if allocation not in ALLOCATIONS:
+        raise PipelineError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     if not os.path.isfile(model_path):
         raise PipelineError(f"model {model_path}: no such file")
     reader = open_gguf(model_path)
@@ -210,17 +310,22 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     if sparsity == 0.0:  # nothing to calibrate: nothing is dropped, every input runs dense
         used, s = 0, np.zeros((n_layer, len(INPUTS)))
     else:
+        texts: Optional[List[str]] = None
         if histograms is None:
             texts = calibration_texts(corpus, samples, model_path, threads)
             histograms = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
         counts, lo, hi, used = histograms
-        s = allocate(counts, lo, hi, nbytes, sparsity, allocation)
+        if allocation == "measured" and weights is None:
+            texts = texts or calibration_texts(corpus, samples, model_path, threads)
+            weights = measure_weights(model_path, texts, counts, lo, hi, nbytes, threads, progress)
+        s = allocate(counts, lo, hi, nbytes, sparsity, "uniform" if allocation == "uniform" else "greedy",
+                     weights if allocation == "measured" else None)
     # an input with nothing to drop runs dense (a negative threshold); the others keep |x| > tau
     taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else -1.0 for i in range(len(INPUTS))]
                      for il in range(n_layer)], dtype=np.float32)
     write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
     return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
-            "histograms": histograms, "seconds": time.time() - t0}
+            "histograms": histograms, "weights": weights, "seconds": time.time() - t0}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -235,7 +340,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--samples", type=int, default=None,
                    help="tokens of the model's own samples to add (default 2048 without --corpus, else 0)")
     p.add_argument("--n-tokens", type=int, default=8192, help="calibration tokens used (default 8192)")
-    p.add_argument("--allocation", choices=("greedy", "uniform"), default="greedy")
+    p.add_argument("--allocation", choices=ALLOCATIONS, default="measured",
+                   help="measured (default): greedy over each input's dropped energy weighted by the harm measured "
+                        "per layer and input kind; greedy: by dropped energy alone; uniform: the same everywhere")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", nargs="+", metavar="[NAME=]FILE", help="held-out domains for the trust card")
     p.add_argument("--card", help="the card's path without extension (default: OUT without .gguf)")
