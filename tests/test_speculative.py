@@ -116,6 +116,38 @@ def test_greedy_with_a_draft_model_and_completion_api(model_file):
     plain.close()
 
 
+def test_draft_model_is_quiet_without_verbose(model_file, monkeypatch, capfd):
+    """verbose=False keeps ggml quiet while the draft model loads and drafts, as it does for
+    the target, also when another library has replaced ggml's log callback in between:
+    llama-cpp-python installs its own (which prints every level, ggml's debug lines such as
+    "repack: repack tensor ..." included) when it is first imported, which in a fresh
+    process happens after the target's load. Qwen2.5-Coder's Q4_K weights are repacked on
+    x86 with AVX2, and the draft, unlike the batch-invariant target, is repacked."""
+    import ctypes
+    import logging
+
+    from powerinfer_py._llama import loading, upstream
+
+    llama_cpp_logger = upstream.module("_logger")
+    make_drafter = loading.make_drafter
+
+    def after_a_late_llama_cpp_import(*args, **kwargs):
+        # What llama_cpp/_logger.py does when first imported; its logger starts at NOTSET.
+        upstream.module().llama_log_set(llama_cpp_logger.llama_log_callback, ctypes.c_void_p(0))
+        return make_drafter(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "make_drafter", after_a_late_llama_cpp_import)
+    monkeypatch.setattr(llama_cpp_logger.logger, "level", logging.NOTSET)
+    path = model_file("qwen2.5-coder-0.5b")
+    capfd.readouterr()
+    llm = _llama(path, draft_model_path=path, draft_max=4, draft_p_min=0.0)
+    _completion_tokens(llm, "def fibonacci(n):", n=8)
+    assert llm.speculative_stats()["drafted"] > 0
+    llm.close()
+    err = capfd.readouterr().err
+    assert "repack" not in err, err[-2000:]
+
+
 def test_sampled_output_with_point_mass_drafts_is_the_same_draws(model_file):
     """Prompt lookup's drafts are point masses: the check draws from the target's sampler and
     compares, which makes the draws of a run without drafts: same seed, same text."""

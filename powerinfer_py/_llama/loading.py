@@ -13,7 +13,7 @@ import numpy as np
 
 from .._core import Model
 from . import speculative
-from .._core.bindings import version
+from .._core.bindings import set_log_level, version
 from ..formats import pt_io
 from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
                         LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_ROW, SPARSE_MODES)
@@ -182,6 +182,7 @@ def make_drafter(llama: Any, draft_model: Any, draft_model_path: Optional[str],
     path = os.fspath(draft_model_path)
     if not os.path.exists(path):
         raise ValueError(f"Draft model path does not exist: {path}")
+    set_log_level(llama.verbose)  # as for the target's load: quiet unless verbose
     model = Model(path, n_threads=llama.n_threads)
     try:
         speculative.check_vocabularies(llama._model, model, llama.model_path, path)

@@ -1,6 +1,7 @@
 """What the benchmarks share: the child-process runner (each measured run in a fresh
-process, so its peak RSS is its own), the table printer (every table says which CPU it
-ran on; the CPU and bandwidth probes live in powerinfer_py._machine), and the synthetic model pair's arguments."""
+process, so its peak RSS is its own), the peak-RSS run of one engine and its table, the
+table printer (every table says which CPU it ran on; the CPU and bandwidth probes live in
+powerinfer_py._machine), and the synthetic model pair's arguments."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._machine import cpu_model
 from ..assets.models import cache_dir
@@ -64,6 +65,42 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def prompt_tokens(tokenize: Callable[[bytes], List[int]], n: int, text: str) -> List[int]:
+    """The first n tokens of `text` repeated as often as it takes."""
+    repeated = text
+    while True:
+        toks = tokenize(repeated.encode())
+        if len(toks) >= n:
+            return toks[:n]
+        repeated += text
+
+
+def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int, prompt_text: str,
+             sparse_mode: str = "auto") -> Dict[str, Any]:
+    """A child (spawn): one engine alone, llama-cpp-python or ours in `sparse_mode`: load, a
+    prompt of n_prompt tokens of prompt_text, n_gen greedy decode steps; the load's seconds
+    and the process's peak RSS."""
+    import numpy as np
+
+    kw = dict(n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    t0 = time.perf_counter()
+    if engine == "llama-cpp-python":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=path, **kw)
+        last = lambda: llm._scores[-1]  # noqa: E731
+    else:
+        from ..llama import Llama
+
+        llm = Llama(model_path=path, sparse_mode=sparse_mode, **kw)
+        last = llm._last_logits_view
+    t_load = time.perf_counter() - t0
+    llm.eval(prompt_tokens(llm.tokenize, n_prompt, prompt_text))
+    for _ in range(n_gen):
+        llm.eval([int(np.argmax(last()))])
+    return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
+
+
 def greedy_steps_interleaved(ref: Any, ours: Any, n_gen: int) -> Tuple[float, float]:
     """n_gen greedy decode steps of llama-cpp-python's Llama (ref) and ours, one step of each
     in turn (the machine's bandwidth drifts); the seconds each engine spent."""
@@ -103,6 +140,15 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     print("|" + "|".join("-" * (w + 2) if align else "---" for w in widths) + "|")
     for row in rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+def print_rss_table(rss: Dict[str, Dict[str, Any]]) -> None:
+    """The peak_rss() results by engine label, after a blank line; nothing if there are none."""
+    if not rss:
+        return
+    print()
+    print_table("Peak RSS, each engine alone (load, the longest prompt, the decode):", ("engine", "load s", "peak RSS"),
+                [[k, f"{r['load_s']:.1f}", f"{r['peak_rss_mib']:.0f} MiB"] for k, r in rss.items()])
 
 
 # ---- the synthetic pair -------------------------------------------------------------------------

@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -36,22 +35,13 @@ import numpy as np
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..assets.models import cache_dir
 from ..pipeline.evaluate import prompt_timer
-from .common import ChildError, greedy_steps_interleaved, peak_rss_mib, print_table, spawn
+from .common import ChildError, greedy_steps_interleaved, peak_rss, print_rss_table, print_table, prompt_tokens, spawn
 
 INPUTS = ("qkv", "o", "ffn", "down")
 PROMPT_TEXT = (
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
     "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
 )
-
-
-def _prompt(tokenize, n: int) -> List[int]:
-    text = PROMPT_TEXT
-    while True:
-        toks = tokenize(text.encode())
-        if len(toks) >= n:
-            return toks[:n]
-        text += PROMPT_TEXT
 
 
 def sparse_path(model: str, sparsity: float) -> str:
@@ -105,7 +95,7 @@ def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, An
     kw = dict(n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
     ref = llama_cpp.Llama(model_path=model, **kw)
     ours = Llama(model_path=path, sparse_mode="input", **kw)
-    prompt = _prompt(ref.tokenize, 16)
+    prompt = prompt_tokens(ref.tokenize, 16, PROMPT_TEXT)
     ref.eval(prompt)
     ours.eval(prompt)
     for _ in range(4):  # warm-up steps, not timed
@@ -130,31 +120,10 @@ def prompt_pair(model: str, path: str, threads: int, lengths: Sequence[int], rep
     ours = Llama(model_path=path, sparse_mode="input", **kw)
     out: Dict[str, Any] = {}
     for n in lengths:
-        toks = _prompt(ref.tokenize, n)
+        toks = prompt_tokens(ref.tokenize, n, PROMPT_TEXT)
         best_ref, best_ours = best_alternating([prompt_timer(ref, toks), prompt_timer(ours, toks)], reps)
         out[str(n)] = {"ref_tok_s": n / best_ref, "ours_tok_s": n / best_ours}
     return out
-
-
-def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int) -> Dict[str, Any]:
-    """One engine alone: load, a prompt of n_prompt tokens, n_gen decode steps; peak RSS."""
-    kw = dict(n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    t0 = time.perf_counter()
-    if engine == "llama-cpp-python":
-        import llama_cpp
-
-        llm = llama_cpp.Llama(model_path=path, **kw)
-        last = lambda: llm._scores[-1]  # noqa: E731
-    else:
-        from ..llama import Llama
-
-        llm = Llama(model_path=path, sparse_mode="input", **kw)
-        last = llm._last_logits_view
-    t_load = time.perf_counter() - t0
-    llm.eval(_prompt(llm.tokenize, n_prompt))
-    for _ in range(n_gen):
-        llm.eval([int(np.argmax(last()))])
-    return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
 
 
 def quality(model: str, paths: Dict[str, str], domains: List[List[str]], passages: int, n_tokens: int,
@@ -232,7 +201,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for label, engine, path in (("llama-cpp-python", "llama-cpp-python", a.model), (f"powerinfer input {max(paths)}", "powerinfer", top)):
                 print(f"peak RSS: {label} ...", file=sys.stderr, flush=True)
                 results["rss"][label] = spawn(peak_rss, engine=engine, path=path, threads=a.threads,
-                                              n_prompt=max(lengths) if lengths else 16, n_gen=a.n_gen)
+                                              n_prompt=max(lengths) if lengths else 16, n_gen=a.n_gen,
+                                              prompt_text=PROMPT_TEXT, sparse_mode="input")
         if domains:
             print("quality on the held-out domains ...", file=sys.stderr, flush=True)
             results["quality"] = spawn(quality, model=a.model, paths=paths, domains=domains, passages=a.passages,
@@ -279,10 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              f"{q['kl']:.4f}", f"{100 * q['top1']:.1f}%"])
         print_table(f"Quality on held-out text ({a.passages} passages x {a.n_tokens} tokens per domain, one token per decode):",
                     ("sparsity", "domain", "NLL original", "NLL sparse", "change (nats)", "KL", "top-1 agreement"), rows)
-    if results["rss"]:
-        print()
-        print_table("Peak RSS, each engine alone (load, the longest prompt, the decode):", ("engine", "load s", "peak RSS"),
-                    [[k, f"{r['load_s']:.1f}", f"{r['peak_rss_mib']:.0f} MiB"] for k, r in results["rss"].items()])
+    print_rss_table(results["rss"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
-
-import numpy as np
 
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..pipeline.evaluate import prompt_timer
-from .common import add_pair_arguments, ChildError, greedy_steps_interleaved, missing_pair, peak_rss_mib, print_table, spawn
+from .common import (add_pair_arguments, ChildError, greedy_steps_interleaved, missing_pair, peak_rss, print_rss_table,
+                     print_table, prompt_tokens, spawn)
 
 PROMPT_TEXT = (
     "In the beginning of the industrial age, the cities of northern England grew faster than anyone had "
@@ -70,15 +68,6 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _prompt_tokens(tokenize: Callable[[bytes], List[int]], n: int) -> List[int]:
-    text = PROMPT_TEXT
-    while True:
-        toks = tokenize(text.encode())
-        if len(toks) >= n:
-            return toks[:n]
-        text += PROMPT_TEXT
-
-
 def _engines(dense_path: str, path: str, mode: str, threads: int, n_ctx: int):
     import llama_cpp
 
@@ -100,9 +89,9 @@ def decode_pair(dense_path: str, path: str, mode: str, threads: int, n_gen: int)
     import gguf
 
     ref, ours = _engines(dense_path, path, mode, threads, 512)
-    prompt = _prompt_tokens(lambda b: ref.tokenize(b), 16)
+    prompt = prompt_tokens(ref.tokenize, 16, PROMPT_TEXT)
     ref.eval(prompt)
-    ours.eval(_prompt_tokens(lambda b: ours.tokenize(b), 16))
+    ours.eval(prompt_tokens(ours.tokenize, 16, PROMPT_TEXT))
     ours.reset_timings()
     t_ref, t_ours = greedy_steps_interleaved(ref, ours, n_gen)
     stats = ours.sparse_stats()
@@ -125,33 +114,11 @@ def prompt_pair(dense_path: str, path: str, mode: str, threads: int, lengths: Se
     ref, ours = _engines(dense_path, path, mode, threads, max(lengths) + 64)
     out: Dict[str, Any] = {}
     for n in lengths:
-        toks_ref = _prompt_tokens(lambda b: ref.tokenize(b), n)
-        toks_ours = _prompt_tokens(lambda b: ours.tokenize(b), n)
+        toks_ref = prompt_tokens(ref.tokenize, n, PROMPT_TEXT)
+        toks_ours = prompt_tokens(ours.tokenize, n, PROMPT_TEXT)
         best_ref, best_ours = best_alternating([prompt_timer(ref, toks_ref), prompt_timer(ours, toks_ours)], reps)
         out[str(n)] = {"ref_tok_s": n / best_ref, "ours_tok_s": n / best_ours}
     return out
-
-
-def peak_rss(engine: str, path: str, mode: Optional[str], threads: int, n_prompt: int, n_gen: int) -> Dict[str, Any]:
-    """One engine alone: load, a prompt of n_prompt tokens, n_gen decode steps; peak RSS."""
-    t0 = time.perf_counter()
-    if engine == "llama-cpp-python":
-        import llama_cpp
-
-        llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads,
-                              n_threads_batch=threads, verbose=False)
-        last = lambda: llm._scores[-1]  # noqa: E731
-    else:
-        from ..llama import Llama
-
-        llm = Llama(model_path=path, n_ctx=n_prompt + n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                    sparse_mode=mode, verbose=False)
-        last = llm._last_logits_view
-    t_load = time.perf_counter() - t0
-    llm.eval(_prompt_tokens(lambda b: llm.tokenize(b), n_prompt))
-    for _ in range(n_gen):
-        llm.eval([int(np.argmax(last()))])
-    return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
 
 
 # ---- parent -------------------------------------------------------------------------------------
@@ -200,8 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for label, engine, path, mode in (("llama-cpp-python", "llama-cpp-python", args.dense, None),
                                               ("powerinfer " + modes[-1], "powerinfer", args.powerinfer, modes[-1])):
                 print(f"peak RSS: {label} ...", file=sys.stderr, flush=True)
-                results["rss"][label] = spawn(peak_rss, engine=engine, path=path, mode=mode, threads=args.threads,
-                                              n_prompt=n_prompt, n_gen=args.n_gen)
+                results["rss"][label] = spawn(peak_rss, engine=engine, path=path, threads=args.threads, n_prompt=n_prompt,
+                                              n_gen=args.n_gen, prompt_text=PROMPT_TEXT, sparse_mode=mode)
     except ChildError as e:
         print(f"error: a benchmark run failed ({e.reason}):\n{e.output[-2000:]}", file=sys.stderr)
         return 1
@@ -230,11 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for mode, by_len in results["prompt"].items() for n, r in by_len.items()]
         print_table(f"Prompt processing (one call per prompt, best of {args.prompt_reps}, engines alternating):",
                     ("mode", "prompt tokens", "llama-cpp-python tok/s", "powerinfer tok/s", "ratio"), rows)
-    if results["rss"]:
-        print()
-        print_table("Peak RSS, each engine alone (load, the longest prompt, the decode):",
-                    ("engine", "load s", "peak RSS"),
-                    [[k, f"{r['load_s']:.1f}", f"{r['peak_rss_mib']:.0f} MiB"] for k, r in results["rss"].items()])
+    print_rss_table(results["rss"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

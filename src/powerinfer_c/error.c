@@ -35,9 +35,15 @@ const char * powerinfer_last_error(void) {
     return g_last_error;
 }
 
+static void log_install(void);
+
 void powerinfer_log_set_level(int32_t level) {
     g_log_level = level;
-    pi_log_install();
+    // Our filter is put back on every call, not only on the first: another user of the
+    // same ggml and libllama may have replaced it since. llama-cpp-python does when it is
+    // first imported, which powerinfer_py does after a target's load, and its callback
+    // prints every level, ggml's debug lines included ("repack: repack tensor ...").
+    log_install();
 }
 
 int32_t pi_log_level(void) {
@@ -78,13 +84,14 @@ static void log_callback(enum ggml_log_level level, const char * text, void * us
 
 static pthread_once_t g_log_once = PTHREAD_ONCE_INIT;
 
-static void log_install_once(void) {
+static void log_install(void) {
     ggml_log_set(log_callback, NULL);
     llama_log_set(log_callback, NULL);
 }
 
+// A load installs the filter once (powerinfer_log_set_level installs it again each time).
 void pi_log_install(void) {
-    pthread_once(&g_log_once, log_install_once);
+    pthread_once(&g_log_once, log_install);
 }
 
 double pi_time_ms(void) {

@@ -240,7 +240,8 @@ struct powerinfer_timings {
 POWERINFER_API const char * powerinfer_last_error(void);
 // Status (enum powerinfer_status) of the last failed call on this thread (POWERINFER_OK if none).
 POWERINFER_API int32_t powerinfer_last_status(void);
-// Messages from the core, ggml and libllama at or above this level go to stderr.
+// Messages from the core, ggml and libllama at or above this level go to stderr (each
+// call installs the core's filter as ggml's and libllama's log callback again).
 POWERINFER_API void powerinfer_log_set_level(int32_t level);
 POWERINFER_API const char * powerinfer_version(void);
 POWERINFER_API const char * powerinfer_system_info(void);
