@@ -225,10 +225,17 @@ def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, l
         passages = [tokens[k : k + PROBE_TOKENS] for k in range(0, len(tokens) - PROBE_TOKENS + 1, PROBE_TOKENS)]
         passages = passages[:PROBE_PASSAGES]
 
+        # an input whose matrices have no column copy (a type the kernels do not take) runs
+        # dense in the copy too: the probe leaves it dense, and its weight stays the mean
+        mapped = np.array([[model.input_sparse(il, i) for i in range(len(INPUTS))] for il in range(n_layer)])
+        probe = np.where(mapped, probe, 0.0)
+        energy = np.where(mapped, energy, 0.0)
+
         def set_levels(s: np.ndarray) -> None:
             for il in range(n_layer):
                 for i in range(len(INPUTS)):
-                    ctx.set_input_threshold(il, i, threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else 0.0)
+                    if mapped[il, i]:
+                        ctx.set_input_threshold(il, i, threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else 0.0)
 
         def kl(s: np.ndarray) -> float:
             set_levels(s)
