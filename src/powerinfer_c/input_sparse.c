@@ -721,6 +721,11 @@ static inline __attribute__((always_inline)) void half_w(const uint8_t * const *
     w[3] = _mm512_unpackhi_epi16(a1, b1);
 }
 
+// The per-chunk scales of column j's sub-block (K: per 32 columns; 6K: int8 per 16), one per row.
+static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) {
+    return s->sc + (size_t) (s->scales == PI_CM_6K ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE);
+}
+
 // acc (+)= the q of NG (1 or 2) groups of 4 columns times each token's 4 inputs per group,
 // over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
 // (nothing is read). pf: 4 * NG columns (the next pass's) whose lines are brought into L2
@@ -736,7 +741,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                                                              int32_t * tsum, bool t_first, const int32_t * s8, int64_t ta,
                                                              int64_t tz) {
     const bool six = s->scales == PI_CM_6K;
-    const uint8_t * scp = fold ? s->sc + (size_t) (six ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE) : NULL;
+    const uint8_t * scp = fold ? seg_sc(s, j) : NULL;
     const int64_t n_pad = cm->n_pad;
     const uint8_t * p[8], * q[8];
     for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
@@ -762,8 +767,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
             // the per-chunk scales (K: per 32 columns; 6K: per 16) of the chunk whose columns
             // these are, for the fold at that chunk's last pass
             if (n > 0 && s->sc) {
-                const int32_t jc = here ? cols[0] : pf[0];
-                const uint8_t * sp = s->sc + (size_t) (six ? jc / 16 : jc / QK) * (size_t) (s->n_tiles * TILE) + (size_t) tp * TILE;
+                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (size_t) tp * TILE;
                 _mm_prefetch((const char *) sp, _MM_HINT_T1);
                 _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
             }
