@@ -620,7 +620,16 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
     const int64_t C = cm->chunk, n_pad = cm->n_pad;
     const bool kmode = cm->xblock == QK_K;
     const int64_t per = kmode ? QK_K / C : 1;
-    for (int64_t i = 0; i < T * n_pad; ++i) pb.y[i] = 0.0f;
+    int64_t ra[PI_COLMAT_MAX_SEGS], rz[PI_COLMAT_MAX_SEGS];  // the piece's rows of each segment
+    for (int k = 0; k < cm->n_segs; ++k) {
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        ra[k] = ta * TILE < cm->seg[k].n_rows ? ta * TILE : cm->seg[k].n_rows;
+        rz[k] = tz * TILE < cm->seg[k].n_rows ? tz * TILE : cm->seg[k].n_rows;
+    }
+    for (int64_t t = 0; t < T; ++t) {  // the plane is shared with the column piece's other row pieces
+        memset(pb.y + t * n_pad + pb.ga * TILE, 0, sizeof(float) * (size_t) ((pb.gb - pb.ga) * TILE));
+    }
     for (int64_t u = u0; u < u1; ++u) {
         for (int64_t i = 0; i < T * n_pad; ++i) pb.t[i] = 0;
         bool any = false;
@@ -637,7 +646,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
                 for (int32_t g = 0; g < v.n_groups; ++g) {
                     for (int i = 0; i < 4; ++i) {
                         const uint8_t * col = cm->q + (size_t) v.cols[4 * g + i] * cm->col_stride + s->col_off;
-                        for (int64_t r = 0; r < s->n_rows; ++r) {
+                        for (int64_t r = ra[k]; r < rz[k]; ++r) {
                             const int32_t qv = rec_q(tile_lo(s, col, r / TILE), tile_hi(s, col, r / TILE), s->bits, row_pos((int) (r % TILE)));
                             for (int64_t t = 0; t < T; ++t) {
                                 pb.acc[t * n_pad + s->pad0 + r] += qv * (int32_t) (int8_t) ((uint32_t) v.x4[g * T + t] >> (8 * i));
@@ -647,7 +656,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
                 }
                 const size_t rows = (size_t) s->n_tiles * TILE;
                 const int64_t j = c * C;
-                for (int64_t r = 0; r < s->n_rows; ++r) {
+                for (int64_t r = ra[k]; r < rz[k]; ++r) {
                     for (int64_t t = 0; t < T; ++t) {
                         const int32_t acc = pb.acc[t * n_pad + s->pad0 + r];
                         if (!kmode) {
@@ -668,7 +677,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
         for (int k = 0; k < cm->n_segs; ++k) {
             const struct pi_colmat_seg * s = &cm->seg[k];
             const size_t rows = (size_t) s->n_tiles * TILE;
-            for (int64_t r = 0; r < s->n_rows; ++r) {
+            for (int64_t r = ra[k]; r < rz[k]; ++r) {
                 const float d = ggml_fp16_to_fp32(s->d[(size_t) u * rows + r]);
                 for (int64_t t = 0; t < T; ++t) {
                     int32_t off = 0;  // the offsets' share: sum over the super-block's chunks of m * s8 or 32 * sc * s8
@@ -1028,6 +1037,21 @@ static void op_barrier(struct pi_input_op * op, int nth) {
 #ifndef PI_CM_MIN_PIECES
 #define PI_CM_MIN_PIECES 12
 #endif
+// Columns longer than this many tiles (an LM head's 151936 rows: 1187 tiles) are cut into
+// row pieces only, each running every kept column over its rows: one partial plane (a
+// column piece of the whole head would need 600 KiB a token, and one per piece). A row's sum
+// then runs in one piece, so the row pieces may follow the thread count (at least one each)
+// without changing a bit. Measured on Qwen2.5-1.5B's Q6_K head (bench-input-sparse, 2 EPYC
+// cores, 40%): pieces of ~300 tiles 3.56 ms, of ~600 3.84, of ~150 4.05, of ~50 5.06 (and the
+// column grid, 6 x 2 pieces, 3.62).
+#ifndef PI_CM_LONG_TILES
+#define PI_CM_LONG_TILES 512
+#endif
+#ifndef PI_CM_LONG_PIECE_TILES
+#define PI_CM_LONG_PIECE_TILES 320
+#endif
+
+#define PI_CM_MAX_PIECES (PI_CM_PIECES * PI_CM_MIN_PIECES)
 
 struct piece_grid {
     int64_t n_col, n_row, n_tiles;
@@ -1039,22 +1063,27 @@ static int64_t total_tiles(const struct pi_colmat * cm) {
     return n;
 }
 
-static struct piece_grid grid_of(const struct pi_colmat * cm) {
+static struct piece_grid grid_of(const struct pi_colmat * cm, int64_t n_threads) {
     struct piece_grid g;
     const int64_t n = n_units_of(cm);
     g.n_tiles = total_tiles(cm);
+    if (g.n_tiles > PI_CM_LONG_TILES) {
+        g.n_col = 1;
+        g.n_row = (g.n_tiles + PI_CM_LONG_PIECE_TILES - 1) / PI_CM_LONG_PIECE_TILES;
+        g.n_row = g.n_row < n_threads ? n_threads : g.n_row;
+        g.n_row = g.n_row > PI_CM_MAX_PIECES ? PI_CM_MAX_PIECES : g.n_row;
+        return g;
+    }
     g.n_col = n < PI_CM_PIECES ? n : PI_CM_PIECES;
     g.n_row = 1;
     while (g.n_col * g.n_row < PI_CM_MIN_PIECES && g.n_tiles / (g.n_row + 1) >= 32) ++g.n_row;
     return g;
 }
 
-static int64_t n_pieces_of(const struct pi_colmat * cm) {
-    const struct piece_grid g = grid_of(cm);
+static int64_t n_pieces_of(const struct pi_colmat * cm, int64_t n_threads) {
+    const struct piece_grid g = grid_of(cm, n_threads);
     return g.n_col * g.n_row;
 }
-
-#define PI_CM_MAX_PIECES (PI_CM_PIECES * PI_CM_MIN_PIECES)
 
 // The order in which the threads claim the pieces: the most work first (kept groups times
 // tiles; ties by index), so that the last pieces claimed are short and no thread waits
@@ -1083,8 +1112,8 @@ static void piece_order(const struct pi_colmat * cm, const struct prep_view * pv
     }
 }
 
-// The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per piece
-// its partial output [T][n_pad]; per thread that claims pieces (slots) its two int32
+// The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per column
+// piece its partial output [T][n_pad] (its row pieces write disjoint rows); per thread that claims pieces (slots) its two int32
 // scratch planes [T][n_pad]. Each part 64-byte aligned.
 struct op_layout {
     size_t  prep, parts, scratch, total;
@@ -1094,10 +1123,10 @@ struct op_layout {
 static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads) {
     const size_t align = 16, plane = (size_t) (cm->n_pad * T);
     struct op_layout L;
-    L.slots   = n_threads < n_pieces_of(cm) ? n_threads : n_pieces_of(cm);
+    L.slots   = n_threads < n_pieces_of(cm, n_threads) ? n_threads : n_pieces_of(cm, n_threads);
     L.prep    = ((size_t) (cm->n_out * T) + align - 1) / align * align;
     L.parts   = L.prep + ((size_t) (cm->n_in / cm->chunk * rec_len(cm->chunk, T)) + align - 1) / align * align;
-    L.scratch = L.parts + (size_t) n_pieces_of(cm) * plane;
+    L.scratch = L.parts + (size_t) grid_of(cm, n_threads).n_col * plane;
     L.total   = L.scratch + 2 * (size_t) L.slots * plane;
     return L;
 }
@@ -1108,7 +1137,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     struct pi_input_op * op = userdata;
     const struct pi_colmat * cm = op->cm;
     const struct ggml_tensor * x = dst->src[0];
-    const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = n_pieces_of(cm), n_pad = cm->n_pad;
+    const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = n_pieces_of(cm, op->n_threads), n_pad = cm->n_pad;
     const struct op_layout L = layout_of(cm, T, op->n_threads);
     float * y = (float *) dst->data;
     const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
@@ -1125,7 +1154,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
 
     // threads beyond the scratch slots (more than the graph was built for) claim no pieces
     int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
-    const struct piece_grid G = grid_of(cm);
+    const struct piece_grid G = grid_of(cm, op->n_threads);
     int64_t order[PI_CM_MAX_PIECES];
     if (ith < L.slots) piece_order(cm, &pv, T, G, order);
     for (; ith < L.slots;) {
@@ -1133,7 +1162,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         if (i >= n_pieces) break;
         const int64_t p = order[i];
         const int64_t cp = p / G.n_row, rp = p % G.n_row;
-        const struct piece_buf pb = { parts + (size_t) p * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
+        const struct piece_buf pb = { parts + (size_t) cp * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
                                       G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
         const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
 #ifdef PI_CM_VNNI
@@ -1146,23 +1175,19 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     }
     op_barrier(op, nth);
 
-    // each row: the partials of the pieces whose tiles hold it, in column-piece order; a
-    // tile's rows share their row piece. Threads take whole tiles.
+    // each row: the partials of the column pieces, in their order. Threads take whole tiles.
     for (int64_t g = G.n_tiles * ith / nth; g < G.n_tiles * (ith + 1) / nth; ++g) {
         int k = 0;
         int64_t base = 0;  // segment k's first tile
         while (g >= base + cm->seg[k].n_tiles) base += cm->seg[k++].n_tiles;
         const struct pi_colmat_seg * s = &cm->seg[k];
         const int64_t r0 = (g - base) * TILE, r1 = r0 + TILE < s->n_rows ? r0 + TILE : s->n_rows;
-        int64_t rp = g * G.n_row / G.n_tiles;  // the row piece holding tile g
-        while (G.n_tiles * rp / G.n_row > g) --rp;
-        while (G.n_tiles * (rp + 1) / G.n_row <= g) ++rp;
         for (int64_t t = 0; t < T; ++t) {
             float * yt = y + t * cm->n_out + s->row0;
             const float * part = parts + t * n_pad + s->pad0;
-            for (int64_t r = r0; r < r1; ++r) yt[r] = part[(size_t) rp * (size_t) (n_pad * T) + r];
+            for (int64_t r = r0; r < r1; ++r) yt[r] = part[r];
             for (int64_t cp = 1; cp < G.n_col; ++cp) {
-                const float * pp = part + (size_t) (cp * G.n_row + rp) * (size_t) (n_pad * T);
+                const float * pp = part + (size_t) cp * (size_t) (n_pad * T);
                 for (int64_t r = r0; r < r1; ++r) yt[r] += pp[r];
             }
         }
