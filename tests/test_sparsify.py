@@ -24,8 +24,8 @@ from powerinfer_py import Llama
 from powerinfer_py._core import Context, Model
 from powerinfer_py.pipeline import cli
 from powerinfer_py.pipeline import sparsify as sparsify_mod
-from powerinfer_py.pipeline.sparsify import (INPUTS, KEY_INPUT_THRESHOLDS, allocate, dropped_energy, sparsify,
-                                             threshold_for)
+from powerinfer_py.pipeline.sparsify import (INPUTS, KEY_INPUT_THRESHOLDS, KEY_OUTPUT_THRESHOLD, allocate, dropped_energy,
+                                             sparsify, threshold_for)
 
 TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
         "darkness was upon the face of the deep. def parse(line):\n    key, _, value = line.partition('=')\n"
@@ -74,7 +74,7 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
     r = sparsify(src, str(out), 0.3, [corpus], n_tokens=512, progress=False,
                  allocation="measured" if which == "smollm2" else "greedy")
     assert _sha(src) == before  # the input is untouched
-    n_layer = r["thresholds"].shape[0]
+    n_layer = r["thresholds"].shape[0] - 1  # the last row: the output matrix (input 0)
     if which == "smollm2":
         # every tensor of the input, byte for byte, and the thresholds (the writer is the same for
         # every model; gguf's reader takes a minute over Qwen's 151k-token vocabulary, so once)
@@ -84,10 +84,12 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
         ta = {t.name: bytes(t.data.tobytes()) for t in a.tensors}
         tb = {t.name: bytes(t.data.tobytes()) for t in b.tensors}
         assert ta == tb
-        assert list(b.get_field(KEY_INPUT_THRESHOLDS).contents()) == pytest.approx(r["thresholds"].reshape(-1).tolist())
-    # the byte-weighted sparsity is the target
+        assert list(b.get_field(KEY_INPUT_THRESHOLDS).contents()) == pytest.approx(r["thresholds"][:-1].reshape(-1).tolist())
+        assert b.get_field(KEY_OUTPUT_THRESHOLD).contents() == pytest.approx(float(r["thresholds"][-1, 0]))
+    # the bytes dropped are the target's share of the layers' matrices (wherever they are dropped)
     s, nb = r["sparsity"], r["bytes"]
-    assert (s * nb).sum() / nb.sum() == pytest.approx(0.3, abs=1e-6)
+    assert (s * nb).sum() / nb[:-1].sum() == pytest.approx(0.3, abs=1e-6)
+    assert (s[-1, 1:] == 0).all()
 
     with Model(str(out)) as m:
         assert m.sparse_mode() == "input"
@@ -97,6 +99,8 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
                 # an input left dense (below the least sparsity worth it) has a negative threshold
                 assert m.input_sparse(il, i) == (s[il, i] > 0) == (r["thresholds"][il, i] >= 0)
                 assert s[il, i] == 0 or s[il, i] >= 0.25 - 1e-9
+        assert m.input_threshold(n_layer, 0) == pytest.approx(float(r["thresholds"][-1, 0]))
+        assert m.input_sparse(n_layer, 0) == (s[-1, 0] > 0)
     with Model(str(out), sparse_mode="dense") as m:
         assert m.sparse_mode() == "dense"
 
@@ -113,6 +117,9 @@ def test_sparse_copy_runs_in_input_mode(which, smollm2_path, qwen_path, corpus, 
             total = sum(c.input_stats(il, i)[1] for il in sparse_layers)
             target = 1.0 - np.mean(s[sparse_layers, i])
             assert abs(kept / total - target) < 0.12, (INPUTS[i], kept / total, target)
+        if s[-1, 0] > 0:  # the output matrix's input
+            kept, total = c.input_stats(n_layer, 0)
+            assert abs(kept / total - (1.0 - s[-1, 0])) < 0.12, ("output", kept / total, s[-1, 0])
 
     # Llama and the CLI pick the mode up by themselves
     llm = Llama(model_path=str(out), n_ctx=128, n_threads=2, verbose=False)
@@ -171,6 +178,15 @@ def test_allocation():
         assert (np.abs(rng.standard_normal(100_000)) < tau).mean() == pytest.approx(s, abs=0.02)
     with pytest.raises(Exception, match="sparsity"):
         allocate(counts, lo, hi, nbytes, 1.0)
+    # head: the last row is the output matrix; the budget is the other rows' share, which
+    # greedy may spend on it too, and uniform leaves it dense
+    counts_h = np.array([[light, heavy], [heavy, np.zeros_like(heavy)]], dtype=np.uint64)
+    nbytes_h = np.array([[1000.0, 1000.0], [500.0, 0.0]])
+    u = allocate(counts_h, lo, hi, nbytes_h, 0.4, "uniform", head=True)
+    assert np.allclose(u[0], 0.4) and (u[1] == 0).all()
+    g = allocate(counts_h, lo, hi, nbytes_h, 0.4, "greedy", head=True)
+    assert (g * nbytes_h).sum() == pytest.approx(0.4 * 2000.0)
+    assert g[1, 0] > 0 and g[1, 1] == 0
 
 
 def test_cli_end_to_end_with_card(smollm2_path, corpus, tmp_path, capsys):
@@ -208,22 +224,25 @@ def test_measured_weights_and_runtime_thresholds(smollm2_path, corpus):
     from powerinfer_py.pipeline.common import read_corpus
 
     counts, lo, hi, _ = sparsify_mod.collect_input_histograms(smollm2_path, read_corpus([corpus]), 512, progress=False)
-    n_layer = counts.shape[0]
+    n_layer = counts.shape[0] - 1  # and the output matrix's row
+    assert counts[n_layer, 0].sum() > 0 and counts[n_layer, 1:].sum() == 0
     nbytes = sparsify_mod.input_bytes(smollm2_path, n_layer)
     w = sparsify_mod.measure_weights(smollm2_path, read_corpus([corpus]), counts, lo, hi, nbytes, progress=False)
-    assert w.shape == (n_layer, len(INPUTS)) and np.isfinite(w).all() and (w > 0).all()
+    assert w.shape == (n_layer + 1, len(INPUTS)) and np.isfinite(w).all() and (w > 0).all()
     assert w.mean() == pytest.approx(1.0)
     # separable: a layer's weights are the same kind weights scaled
     ratio = w / w[0:1, :]
     assert np.allclose(ratio, ratio[:, :1], rtol=1e-9)
     # the weighted greedy still lands on the budget, with inputs dense or at least S_MIN sparse
-    s = allocate(counts, lo, hi, nbytes, 0.4, "greedy", weights=w)
-    assert (s * nbytes).sum() / nbytes.sum() == pytest.approx(0.4)
+    s = allocate(counts, lo, hi, nbytes, 0.4, "greedy", weights=w, head=True)
+    assert (s * nbytes).sum() / nbytes[:-1].sum() == pytest.approx(0.4)
     assert ((s == 0) | (s >= sparsify_mod.S_MIN - 1e-9)).all()
     # the runtime thresholds: only where a column copy exists, finite and >= 0
     with Model(smollm2_path, sparse_mode="input", sparse_threshold=0.0) as m, Context(m, n_ctx=64, n_threads=2) as c:
         c.set_input_threshold(0, 0, 0.5)
-        for bad in ((n_layer, 0, 0.1), (0, 4, 0.1), (0, 0, -1.0), (0, 0, float("nan")), (0, 0, float("inf"))):
+        c.set_input_threshold(n_layer, 0, 0.5)  # the output matrix
+        for bad in ((n_layer, 1, 0.1), (n_layer + 1, 0, 0.1), (-1, 0, 0.1), (0, 4, 0.1), (0, 0, -1.0), (0, 0, float("nan")),
+                    (0, 0, float("inf"))):
             with pytest.raises(Exception, match="threshold|range"):
                 c.set_input_threshold(*bad)
     with Model(smollm2_path, sparse_mode="dense") as m, Context(m, n_ctx=64, n_threads=2) as c:

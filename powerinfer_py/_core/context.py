@@ -203,7 +203,7 @@ class Context(Handle):
 
     def input_stats(self, layer: int, input: int) -> Tuple[int, int]:
         """Input mode: (kept entries, entries considered) of input `input` of `layer`, per token,
-        summed over the sparse steps."""
+        summed over the sparse steps; (n_layer, 0) is the output matrix's input."""
         kept, total = ffi.new("int64_t *"), ffi.new("int64_t *")
         rc = lib.powerinfer_input_stats(self.ptr, layer, input, kept, total)
         if rc != OK:
@@ -219,16 +219,17 @@ class Context(Handle):
 
     def input_histograms(self) -> Tuple[np.ndarray, float, float]:
         """Histograms of |x| of every matrix's input since the context was made (needs
-        collect_activations=True): (counts uint64 [n_layer, 4, n_bins], log10_min, log10_max),
-        inputs in the order of model.INPUTS."""
+        collect_activations=True): (counts uint64 [n_layer + 1, 4, n_bins], log10_min, log10_max),
+        inputs in the order of model.INPUTS; row n_layer, input 0 is the output matrix's input
+        (the final norm's output; the row's other entries stay 0)."""
         ptr = self.ptr
         lo, hi = ffi.new("float *"), ffi.new("float *")
         n_bins = lib.powerinfer_input_histogram(ptr, 0, 0, ffi.NULL, 0, lo, hi)
         n_layer = self.model.n_layer()
-        counts = np.zeros((n_layer, 4, max(n_bins, 0)), dtype=np.uint64)
+        counts = np.zeros((n_layer + 1, 4, max(n_bins, 0)), dtype=np.uint64)
         buf = ffi.new("uint64_t[]", max(n_bins, 1))
-        for il in range(n_layer):
-            for i in range(4):
+        for il in range(n_layer + 1):
+            for i in range(4 if il < n_layer else 1):
                 if lib.powerinfer_input_histogram(ptr, il, i, buf, n_bins, lo, hi) != n_bins:
                     raise core_error(f"input histogram of layer {il}, input {i}")
                 counts[il, i] = np.frombuffer(ffi.buffer(buf, 8 * n_bins), dtype=np.uint64)

@@ -169,7 +169,8 @@ class Model(Handle):
         return float(lib.powerinfer_model_sparse_threshold(self.ptr, layer))
 
     def input_threshold(self, layer: int, input: int) -> float:
-        """Input mode: the threshold of input `input` (an index into INPUTS) of `layer`."""
+        """Input mode: the threshold of input `input` (an index into INPUTS) of `layer`; layer
+        n_layer, input 0 is the output matrix (NaN for any other pair out of range)."""
         return float(lib.powerinfer_model_input_threshold(self.ptr, layer, input))
 
     def input_sparse(self, layer: int, input: int) -> bool:

@@ -11,8 +11,8 @@ kept under <cache>/sparse/. Then, per sparsity:
   alternating in one process (the machine's bandwidth drifts), --reps times in fresh
   processes; the median of the runs' ratios. Beside it the byte-count ideal: the weight
   bytes llama.cpp reads per token over the bytes the kept input entries leave (every matrix
-  of every layer at its measured kept share; the output matrix, norms and embeddings
-  whole), and the share of that ideal reached;
+  at its measured kept share, the output matrix too when the allocation made it sparse;
+  norms and embeddings whole), and the share of that ideal reached;
 - prompts of --prompts tokens (one call each, best of --prompt-reps, alternating);
 - with --text (held-out domains), the card's quality columns against the original run by
   llama-cpp-python: NLL change, KL and top-1 agreement per domain (passages teacher-forced
@@ -50,13 +50,17 @@ def sparse_path(model: str, sparsity: float) -> str:
 
 def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], threads: int) -> Dict[str, str]:
     """The sparse copies of model at these sparsities, made once (sparsify, one calibration
-    for all of them) and reused while newer than the model."""
-    from ..pipeline.sparsify import sparsify
+    for all of them) and reused while newer than the model and written by a sparsify that
+    allocates the output matrix too (they carry its key)."""
+    import gguf
+
+    from ..pipeline.sparsify import KEY_OUTPUT_THRESHOLD, sparsify
 
     paths, histograms, weights = {}, None, None
     for sparsity in sparsities:
         out = paths[f"{sparsity:.2f}"] = sparse_path(model, sparsity)
-        if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model):
+        if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model) or \
+                gguf.GGUFReader(out).get_field(KEY_OUTPUT_THRESHOLD) is None:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
             r = sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads, histograms=histograms,
@@ -105,8 +109,13 @@ def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, An
     t_ref, t_ours = greedy_steps_interleaved(ref, ours, n_gen)
     ctx = ours._require_ctx()
     n_layer = ours._model.n_layer()
-    kept = [[(lambda k: k[0] / k[1] if k[1] else 1.0)(ctx.input_stats(il, i)) for i in range(4)] for il in range(n_layer)]
-    sparse = [[ours._model.input_sparse(il, i) for i in range(4)] for il in range(n_layer)]
+
+    def share(il: int, i: int) -> float:  # row n_layer: the output matrix, input 0 only
+        k = ctx.input_stats(il, i) if il < n_layer or i == 0 else (0, 0)
+        return k[0] / k[1] if k[1] else 1.0
+
+    kept = [[share(il, i) for i in range(4)] for il in range(n_layer + 1)]
+    sparse = [[ours._model.input_sparse(il, i) for i in range(4)] for il in range(n_layer + 1)]
     return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours, "kept": kept, "sparse": sparse}
 
 
@@ -213,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bw = measure_bandwidth(a.threads)
     results["bandwidth"], results["cpu"] = bw, cpu_model()
 
-    n_layer = len(next(iter(results["decode"].values()))[0]["kept"])
+    n_layer = len(next(iter(results["decode"].values()))[0]["kept"]) - 1  # and the output matrix
     mat = _matrix_bytes(a.model, n_layer)
     dense = _dense_bytes(a.model)
     print(f"\nmodel: {a.model}; {a.threads} threads; measured read bandwidth ({a.threads} threads) {bw / 1e9:.1f} GB/s\n")
@@ -227,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         med = statistics.median(ratios)
         ref_ts = statistics.median(r["ref_tok_s"] for r in runs)
         ours_ts = statistics.median(r["ours_tok_s"] for r in runs)
-        dropped = float((mat * (1.0 - kept)).sum() / mat.sum())
+        dropped = float((mat * (1.0 - kept)).sum() / mat[:n_layer].sum())  # of the layers' bytes: the budget's base
         rows.append([f"{float(key):.0%}", f"{dropped:.1%}", f"{read / 2**20:.0f} / {dense / 2**20:.0f} MiB", f"{ideal:.2f}x",
                      f"{ref_ts:.2f}", f"{ours_ts:.2f}", f"{med:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})",
                      f"{100 * med / ideal:.0f}%"])

@@ -9,13 +9,16 @@ matrices' bytes. This command measures the distribution of |x| at each layer's f
 inputs (the attention norm's output, the attention's output, the FFN norm's output,
 act(gate) * up) over calibration text, picks the thresholds, and writes OUT: the input
 file unchanged (every tensor and key; llama.cpp still runs it, densely) plus the key
-`powerinfer.input_thresholds` (f32, four per layer), which makes our engine run it in
+`powerinfer.input_thresholds` (f32, four per layer) and `powerinfer.output_threshold` (f32,
+the output matrix's input, the final norm's output; < 0: dense), which makes our engine run it in
 input mode (`Llama(model_path=OUT)`, `main -m OUT`); `sparse_mode="dense"` still computes
 everything.
 
 Calibration text: --corpus files (plain text, or `powerinfer sample` .jsonl) and, with
 --samples N, N tokens the model itself writes (`powerinfer sample`; the default when no
-corpus is given). --sparsity is the share of the matrices' bytes not read per token.
+corpus is given). --sparsity is the share of the layers' matrices' bytes not read per token;
+the allocation may spend that budget on the output matrix too (the bytes read per token are
+the same; docs/input-sparsity.md).
 --allocation uniform drops that share of every input; greedy spends the same byte budget
 where it costs least: per input, the share of the products' energy it drops (sum of the
 dropped x^2 over sum of x^2, from the histograms) per byte it saves, the cheapest first;
@@ -45,6 +48,7 @@ from .calibrate import decode_calibration
 from .common import PipelineError, files, read_corpus, run_cli, same_file
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
+KEY_OUTPUT_THRESHOLD = "powerinfer.output_threshold"
 KEY_INPUT_SPARSITY = "powerinfer.input_sparsity"
 KEY_INPUT_ALLOCATION = "powerinfer.input_allocation"
 INPUTS = ("qkv", "o", "ffn", "down")
@@ -60,8 +64,9 @@ STEP = 0.025  # the allocation's grid of per-input sparsities
 
 def collect_input_histograms(model_path: str, texts: Sequence[str], n_tokens: int, n_threads: int = 2, chunk: int = 256,
                              progress: bool = True) -> Tuple[np.ndarray, float, float, int]:
-    """Histograms of |x| at every layer's four inputs over up to n_tokens calibration tokens:
-    (counts [n_layer, 4, n_bins], log10_min, log10_max, tokens used)."""
+    """Histograms of |x| at every layer's four inputs over up to n_tokens calibration tokens,
+    then the output matrix's (row n_layer, input 0): (counts [n_layer + 1, 4, n_bins],
+    log10_min, log10_max, tokens used)."""
     (counts, lo, hi), used = decode_calibration(model_path, texts, n_tokens, Context.input_histograms, n_threads, chunk,
                                                 progress)
     return counts, lo, hi, used
@@ -102,9 +107,12 @@ def threshold_for(counts: np.ndarray, lo: float, hi: float, sparsity: float) -> 
 
 
 def input_bytes(model_path: str, n_layer: int) -> np.ndarray:
-    """Bytes of the matrices reading each input: [n_layer, 4]."""
-    out = np.zeros((n_layer, len(INPUTS)))
+    """Bytes of the matrices reading each input: [n_layer + 1, 4], the last row the output
+    matrix's (input 0; the token embeddings when the output is tied to them)."""
+    out = np.zeros((n_layer + 1, len(INPUTS)))
     reader = open_gguf(model_path)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    out[n_layer, 0] = sizes.get("output.weight", sizes.get("token_embd.weight", 0))
     for t in reader.tensors:
         parts = t.name.split(".", 2)
         if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or int(parts[1]) >= n_layer:
@@ -122,17 +130,20 @@ S_MIN = 0.25
 
 
 def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, sparsity: float,
-             method: str = "greedy", weights: Optional[np.ndarray] = None) -> np.ndarray:
-    """Per (layer, input) sparsity whose byte-weighted mean is `sparsity`. uniform: the same
+             method: str = "greedy", weights: Optional[np.ndarray] = None, head: bool = False) -> np.ndarray:
+    """Per (layer, input) sparsity dropping `sparsity` of the bytes. uniform: the same
     everywhere; greedy: minimise the summed dropped-energy shares for those bytes, each step
     the input whose next step of sparsity costs the least energy per byte saved (optimal for
     these convex curves). An input's first step goes from 0 (dense) straight to S_MIN; the
-    last step is cut to land on the budget exactly."""
+    last step is cut to land on the budget exactly. head: the last row is the output matrix
+    (input_bytes): the budget is `sparsity` of the other rows' bytes, which greedy may spend
+    on it too, and uniform leaves it dense."""
     if not 0.0 <= sparsity < 1.0:
         raise PipelineError(f"--sparsity must be in [0, 1), got {sparsity}")
     n_layer, n_in = nbytes.shape
+    layers = np.arange(n_layer)[:, None] < (n_layer - 1 if head else n_layer)
     if method == "uniform" or sparsity == 0.0:
-        return np.full((n_layer, n_in), sparsity)
+        return np.where(layers, sparsity, 0.0) * np.ones((n_layer, n_in))
     if method != "greedy":
         raise PipelineError(f"--allocation must be greedy or uniform, got {method!r}")
     grid = np.concatenate([[0.0], np.arange(S_MIN, 0.95 + 1e-9, STEP)])
@@ -141,7 +152,7 @@ def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, spars
         curves = curves * np.asarray(weights, dtype=np.float64)[..., None]
     level = np.zeros((n_layer, n_in), dtype=np.int64)
     s = np.zeros((n_layer, n_in))
-    target = sparsity * nbytes.sum()
+    target = sparsity * np.where(layers, nbytes, 0.0).sum()
     while True:
         saved = (s * nbytes).sum()
         if saved >= target - 1e-6:
@@ -203,13 +214,16 @@ def _passage_logp(ctx: Context, passage: Sequence[int]) -> np.ndarray:
 
 def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
                     threads: int = 2, progress: bool = True) -> np.ndarray:
-    """Per (layer, input) weight of the dropped-energy curves: [n_layer, 4] (see PROBE_SPARSITY)."""
+    """Per (layer, input) weight of the dropped-energy curves: [n_layer + 1, 4], the output
+    matrix last (see PROBE_SPARSITY)."""
     from .._progress import Progress
 
-    n_layer = counts.shape[0]
-    probe = allocate(counts, lo, hi, nbytes, PROBE_SPARSITY, "greedy")
+    n_rows, n_layer = counts.shape[0], counts.shape[0] - 1  # the layers, then the output matrix
+    probe = allocate(counts, lo, hi, nbytes, PROBE_SPARSITY, "greedy", head=True)
+    if probe[n_layer, 0] == 0.0 and nbytes[n_layer, 0] > 0:  # the output matrix is probed alone: measure it anyway
+        probe[n_layer, 0] = S_MIN
     energy = np.array([[dropped_energy(counts[il, i], lo, hi, np.array([probe[il, i]]))[0] if probe[il, i] > 0 else 0.0
-                        for i in range(len(INPUTS))] for il in range(n_layer)])
+                        for i in range(len(INPUTS))] for il in range(n_rows)])
     # every input mapped (threshold 0 keeps every nonzero entry), thresholds set per probe
     with Model(model_path, sparse_mode="input", sparse_threshold=0.0) as model, \
             Context(model, n_ctx=PROBE_TOKENS + 8, n_threads=threads, n_threads_batch=threads,
@@ -227,12 +241,12 @@ def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, l
 
         # an input whose matrices have no column copy (a type the kernels do not take) runs
         # dense in the copy too: the probe leaves it dense, and its weight stays the mean
-        mapped = np.array([[model.input_sparse(il, i) for i in range(len(INPUTS))] for il in range(n_layer)])
+        mapped = np.array([[model.input_sparse(il, i) for i in range(len(INPUTS))] for il in range(n_rows)])
         probe = np.where(mapped, probe, 0.0)
         energy = np.where(mapped, energy, 0.0)
 
         def set_levels(s: np.ndarray) -> None:
-            for il in range(n_layer):
+            for il in range(n_rows):
                 for i in range(len(INPUTS)):
                     if mapped[il, i]:
                         ctx.set_input_threshold(il, i, threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else 0.0)
@@ -243,16 +257,20 @@ def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, l
             bar.advance(1)
             return float(np.mean(out))
 
-        bar = Progress("measuring sensitivity", 1 + n_layer + len(INPUTS), progress)
+        bar = Progress("measuring sensitivity", 1 + n_rows + len(INPUTS), progress)
         set_levels(np.zeros_like(probe))
         refs = [_passage_logp(ctx, p) for p in passages]
         bar.advance(1)
-        layer_kl = np.array([kl(np.where(np.arange(n_layer)[:, None] == il, probe, 0.0)) for il in range(n_layer)])
-        kind_kl = np.array([kl(np.where(np.arange(len(INPUTS))[None, :] == i, probe, 0.0)) for i in range(len(INPUTS))])
+        rows = np.arange(n_rows)[:, None]
+        layer_kl = np.array([kl(np.where(rows == il, probe, 0.0)) for il in range(n_rows)])
+        kind_kl = np.array([kl(np.where((rows < n_layer) & (np.arange(len(INPUTS))[None, :] == i), probe, 0.0))
+                            for i in range(len(INPUTS))])
         bar.close()
-    # separable fit KL ~ w_layer * sum_i w_kind[i] * energy[il, i]; an input the probe left
-    # dense (or a kind with nothing dropped) keeps weight 1 relative to the mean
-    w_kind = np.where(energy.sum(0) > 0, kind_kl / np.maximum(energy.sum(0), 1e-12), np.nan)
+    # separable fit KL ~ w_layer * sum_i w_kind[i] * energy[il, i] over the layers (the output
+    # matrix, a row of its own, gets its KL / energy); an input the probe left dense (or a
+    # kind with nothing dropped) keeps weight 1 relative to the mean
+    kind_energy = energy[:n_layer].sum(0)
+    w_kind = np.where(kind_energy > 0, kind_kl / np.maximum(kind_energy, 1e-12), np.nan)
     w_kind = np.where(np.isfinite(w_kind) & (w_kind > 0), w_kind, np.nanmean(np.where(w_kind > 0, w_kind, np.nan)))
     per_layer = (energy * w_kind).sum(1)
     w_layer = np.where(per_layer > 0, layer_kl / np.maximum(per_layer, 1e-12), np.nan)
@@ -264,13 +282,15 @@ def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, l
 
 
 def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, method: str, progress: bool = True) -> None:
-    """Copies src to dst (every key and tensor) adding the thresholds."""
+    """Copies src to dst (every key and tensor) adding the thresholds: taus [n_layer + 1, 4],
+    the last row's first the output matrix's."""
     if same_file(src, dst):
         raise PipelineError("the output must not be the input file")
     reader = open_gguf(src)
     w = new_writer(dst, reader.get_field("general.architecture").contents())
-    copy_kv(reader, w, skip={KEY_INPUT_THRESHOLDS, KEY_INPUT_SPARSITY, KEY_INPUT_ALLOCATION})
-    w.add_array(KEY_INPUT_THRESHOLDS, [float(t) for t in taus.reshape(-1)])
+    copy_kv(reader, w, skip={KEY_INPUT_THRESHOLDS, KEY_OUTPUT_THRESHOLD, KEY_INPUT_SPARSITY, KEY_INPUT_ALLOCATION})
+    w.add_array(KEY_INPUT_THRESHOLDS, [float(t) for t in taus[:-1].reshape(-1)])
+    w.add_float32(KEY_OUTPUT_THRESHOLD, float(taus[-1, 0]))
     w.add_float32(KEY_INPUT_SPARSITY, float(sparsity))
     w.add_string(KEY_INPUT_ALLOCATION, method)
     for t in reader.tensors:
@@ -315,7 +335,7 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     t0 = time.time()
     nbytes = input_bytes(model_path, n_layer)
     if sparsity == 0.0:  # nothing to calibrate: nothing is dropped, every input runs dense
-        used, s = 0, np.zeros((n_layer, len(INPUTS)))
+        used, s = 0, np.zeros((n_layer + 1, len(INPUTS)))
     else:
         texts: Optional[List[str]] = None
         if histograms is None:
@@ -326,10 +346,10 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
             texts = texts or calibration_texts(corpus, samples, model_path, threads)
             weights = measure_weights(model_path, texts, counts, lo, hi, nbytes, threads, progress)
         s = allocate(counts, lo, hi, nbytes, sparsity, "uniform" if allocation == "uniform" else "greedy",
-                     weights if allocation == "measured" else None)
+                     weights if allocation == "measured" else None, head=True)
     # an input with nothing to drop runs dense (a negative threshold); the others keep |x| > tau
     taus = np.array([[threshold_for(counts[il, i], lo, hi, s[il, i]) if s[il, i] > 0 else -1.0 for i in range(len(INPUTS))]
-                     for il in range(n_layer)], dtype=np.float32)
+                     for il in range(n_layer + 1)], dtype=np.float32)
     write_sparse_model(model_path, out, taus, sparsity, allocation, progress=progress)
     return {"arch": arch, "tokens": used, "sparsity": s, "thresholds": taus, "bytes": nbytes,
             "histograms": histograms, "weights": weights, "seconds": time.time() - t0}

@@ -307,8 +307,8 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         ctx->down.share[il] = -1.0f;  // not measured: the AXPY until a step says otherwise
         ctx->down.matmul[il] = ctx->down.forced == 2;
     }
-    ctx->inputs = calloc((size_t) model->hp.n_layer * POWERINFER_INPUT_COUNT, sizeof(*ctx->inputs));
-    ctx->input_ops = calloc((size_t) model->hp.n_layer * POWERINFER_INPUT_COUNT, sizeof(*ctx->input_ops));
+    ctx->inputs = calloc((size_t) pi_n_inputs(model), sizeof(*ctx->inputs));
+    ctx->input_ops = calloc((size_t) pi_n_inputs(model), sizeof(*ctx->input_ops));
     for (int32_t il = 0; ctx->sparse && il < model->hp.n_layer; ++il) {
         ctx->sparse[il].threshold = model->layers[il].sparse_tau;
         if (params.collect_activations) {
@@ -317,10 +317,9 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
         }
     }
     const int32_t n_threads_max = params.n_threads > params.n_threads_batch ? params.n_threads : params.n_threads_batch;
-    for (int32_t k = 0; ctx->inputs && ctx->input_ops && k < model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
-        ctx->inputs[k].threshold = model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT];
-        ctx->input_ops[k] = (struct pi_input_op) { &model->layers[k / POWERINFER_INPUT_COUNT].in_cm[k % POWERINFER_INPUT_COUNT],
-                                                   &ctx->inputs[k], n_threads_max, { 0 } };
+    for (int32_t k = 0; ctx->inputs && ctx->input_ops && k < pi_n_inputs(model); ++k) {
+        ctx->inputs[k].threshold = pi_input_tau(model, k);
+        ctx->input_ops[k] = (struct pi_input_op) { pi_input_cm(model, k), &ctx->inputs[k], n_threads_max, { 0 } };
         if (params.collect_activations) {  // |x| of every matrix's input (powerinfer sparsify)
             ctx->inputs[k].hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
             hist_ok &= ctx->inputs[k].hist != NULL;
@@ -373,7 +372,7 @@ void powerinfer_context_free(struct powerinfer_context * ctx) {
     for (int32_t il = 0; ctx->sparse && il < ctx->model->hp.n_layer; ++il) {
         free(ctx->sparse[il].hist);
     }
-    for (int32_t k = 0; ctx->inputs && k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+    for (int32_t k = 0; ctx->inputs && k < pi_n_inputs(ctx->model); ++k) {
         free(ctx->inputs[k].hist);
     }
     free(ctx->sparse);
@@ -442,7 +441,7 @@ void powerinfer_set_n_threads(struct powerinfer_context * ctx, int32_t n_threads
     if (n_threads_batch > 0) ctx->params.n_threads_batch = n_threads_batch;
     // input mode's operators size their scratch by the threads (input_sparse.h)
     const int32_t n_max = ctx->params.n_threads > ctx->params.n_threads_batch ? ctx->params.n_threads : ctx->params.n_threads_batch;
-    for (int32_t k = 0; k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+    for (int32_t k = 0; k < pi_n_inputs(ctx->model); ++k) {
         if (ctx->input_ops[k].n_threads != n_max) {
             ctx->input_ops[k].n_threads = n_max;
             ctx->last.valid = false;
@@ -1062,30 +1061,31 @@ void powerinfer_reset_timings(struct powerinfer_context * ctx) {
     for (int32_t il = 0; il < ctx->model->hp.n_layer; ++il) {
         ctx->sparse[il].n_active = ctx->sparse[il].n_total = 0;
     }
-    for (int32_t k = 0; k < ctx->model->hp.n_layer * POWERINFER_INPUT_COUNT; ++k) {
+    for (int32_t k = 0; k < pi_n_inputs(ctx->model); ++k) {
         ctx->inputs[k].n_active = ctx->inputs[k].n_total = 0;
     }
 }
 
 int32_t powerinfer_input_stats(const struct powerinfer_context * ctx, int32_t il, int32_t input, int64_t * n_kept,
                                int64_t * n_total) {
-    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT) {
+    const int32_t k = pi_input_index(ctx->model, il, input);
+    if (k < 0) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d is out of range", il, input);
     }
-    const struct pi_active_stat * st = &ctx->inputs[il * POWERINFER_INPUT_COUNT + input];
+    const struct pi_active_stat * st = &ctx->inputs[k];
     *n_kept  = st->n_active;
     *n_total = st->n_total;
     return POWERINFER_OK;
 }
 
 int32_t powerinfer_set_input_threshold(struct powerinfer_context * ctx, int32_t il, int32_t input, float tau) {
-    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT) {
+    const int32_t k = pi_input_index(ctx->model, il, input);
+    if (k < 0) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d is out of range", il, input);
     }
     if (!(tau >= 0.0f) || isinf(tau)) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "an input threshold must be finite and >= 0, got %g", tau);
     }
-    const int32_t k = il * POWERINFER_INPUT_COUNT + input;
     if (ctx->model->hp.sparse_mode != POWERINFER_SPARSE_INPUT || ctx->input_ops[k].cm->n_segs == 0) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "layer %d, input %d has no column copy (not input mode, or dense in the file)",
                        il, input);
@@ -1096,14 +1096,14 @@ int32_t powerinfer_set_input_threshold(struct powerinfer_context * ctx, int32_t 
 
 int32_t powerinfer_input_histogram(const struct powerinfer_context * ctx, int32_t il, int32_t input, uint64_t * counts,
                                    int32_t n_bins, float * log10_min, float * log10_max) {
-    if (il < 0 || il >= ctx->model->hp.n_layer || input < 0 || input >= POWERINFER_INPUT_COUNT ||
-        !ctx->inputs[il * POWERINFER_INPUT_COUNT + input].hist) {
+    const int32_t k = pi_input_index(ctx->model, il, input);
+    if (k < 0 || !ctx->inputs[k].hist) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "no input histogram for layer %d, input %d (collect_activations off?)", il, input);
     }
     if (n_bins != PI_HIST_BINS) {
         return PI_HIST_BINS;
     }
-    memcpy(counts, ctx->inputs[il * POWERINFER_INPUT_COUNT + input].hist, sizeof(uint64_t) * PI_HIST_BINS);
+    memcpy(counts, ctx->inputs[k].hist, sizeof(uint64_t) * PI_HIST_BINS);
     *log10_min = PI_HIST_LOG10_MIN;
     *log10_max = PI_HIST_LOG10_MAX;
     return PI_HIST_BINS;

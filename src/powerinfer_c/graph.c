@@ -72,7 +72,7 @@ static bool input_step(const struct powerinfer_model * model, const struct pi_gr
 static struct ggml_tensor * input_sparse(struct ggml_context * ctx, const struct powerinfer_model * model,
                                          const struct pi_graph_params * gp, int il, int i, struct ggml_tensor * x) {
     struct pi_input_op * op = &gp->input_ops[il * POWERINFER_INPUT_COUNT + i];
-    if (!input_step(model, gp) || op->cm->n_segs == 0) {
+    if (!input_step(model, gp) || op->cm->n_segs == 0 || x->ne[1] < 1) {
         return NULL;
     }
     if (!ggml_is_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1) {
@@ -415,6 +415,10 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     }
 
     struct ggml_tensor * inpL = ggml_get_rows(ctx, model->tok_embd, in->tokens);  // [n_embd, n_tokens]
+    // Calibrating input mode's output matrix wants every row's final norm: the rows are
+    // selected after it, not before the last FFN.
+    const bool head_hist = gp->inputs && gp->inputs[pi_input_index(model, hp->n_layer, 0)].hist && !gp->capture;
+    const bool select_early = in->out_ids && !gp->capture && !head_hist;
 
     for (int il = 0; il < hp->n_layer && model->arch == PI_ARCH_FALCON; ++il) {
         // Falcon: attention and FFN both read LayerNorm(x); x + attn + ffn.
@@ -436,7 +440,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = build_rope(ctx, k, hp, in);
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = build_wo(ctx, gf, model, gp, il, cur);
-        if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
+        if (il == hp->n_layer - 1 && select_early) {
             cur       = ggml_get_rows(ctx, cur, in->out_ids);
             inpL      = ggml_get_rows(ctx, inpL, in->out_ids);
             attn_norm = ggml_get_rows(ctx, attn_norm, in->out_ids);
@@ -471,7 +475,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
         cur = build_wo(ctx, gf, model, gp, il, cur);
 
-        if (il == hp->n_layer - 1 && in->out_ids && !gp->capture) {
+        if (il == hp->n_layer - 1 && select_early) {
             // Only the output rows need the last FFN and the LM head.
             cur   = ggml_get_rows(ctx, cur, in->out_ids);
             inpSA = ggml_get_rows(ctx, inpSA, in->out_ids);
@@ -490,10 +494,15 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     struct ggml_tensor * cur = model->output_norm_b
         ? build_layer_norm(ctx, inpL, model->output_norm, model->output_norm_b, hp->norm_rms_eps)
         : build_norm(ctx, inpL, model->output_norm, hp->norm_rms_eps);
+    if (head_hist) {
+        input_histogram(ctx, gf, gp, hp->n_layer, 0, cur);
+        if (in->out_ids) cur = ggml_get_rows(ctx, cur, in->out_ids);
+    }
     in->embd = cur;
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);
-    in->logits = packed_or_mul(ctx, model, model->output, model->output_p, cur);  // [n_vocab, n_outputs]
+    in->logits = input_sparse(ctx, model, gp, hp->n_layer, 0, cur);  // [n_vocab, n_outputs]
+    in->logits = in->logits ? in->logits : packed_or_mul(ctx, model, model->output, model->output_p, cur);
     ggml_set_name(in->logits, "result_output");
     ggml_set_output(in->logits);
     ggml_build_forward_expand(gf, in->logits);

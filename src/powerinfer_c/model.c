@@ -362,6 +362,8 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
 #define PI_KEY_SPARSE_THRESHOLDS "powerinfer.sparse_thresholds"
 // Ours: input mode's thresholds, f32 [n_layer * POWERINFER_INPUT_COUNT] (written by sparsify).
 #define PI_KEY_INPUT_THRESHOLDS "powerinfer.input_thresholds"
+// Ours: input mode's threshold of the output matrix's input, f32 (< 0 or absent: dense).
+#define PI_KEY_OUTPUT_THRESHOLD "powerinfer.output_threshold"
 
 const char * powerinfer_sparse_mode_name(int32_t mode) {
     switch (mode) {
@@ -418,6 +420,14 @@ static int32_t resolve_input_thresholds(struct powerinfer_model * model) {
             model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT] = v[k];
         }
     }
+    model->head_tau = -1.0f;  // the output matrix: dense unless the file or the parameter says otherwise
+    const int64_t ih = find_key(model, PI_KEY_OUTPUT_THRESHOLD);
+    if (ih >= 0) {
+        if (gguf_get_kv_type(model->gguf, ih) != GGUF_TYPE_FLOAT32 || !isfinite(gguf_get_val_f32(model->gguf, ih))) {
+            return pi_fail(POWERINFER_ERR_FORMAT, "%s must be a finite float32", PI_KEY_OUTPUT_THRESHOLD);
+        }
+        model->head_tau = gguf_get_val_f32(model->gguf, ih);
+    }
     if (!isnan(model->params.sparse_threshold)) {
         if (!(model->params.sparse_threshold >= 0.0f) || isinf(model->params.sparse_threshold)) {
             return pi_fail(POWERINFER_ERR_INVALID_ARG, "input mode's threshold must be finite and >= 0, got %g",
@@ -426,6 +436,7 @@ static int32_t resolve_input_thresholds(struct powerinfer_model * model) {
         for (int32_t il = 0; il < hp->n_layer; ++il) {
             for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) model->layers[il].in_tau[i] = model->params.sparse_threshold;
         }
+        model->head_tau = model->params.sparse_threshold;
     }
     return POWERINFER_OK;
 }
@@ -531,12 +542,14 @@ float powerinfer_model_sparse_threshold(const struct powerinfer_model * model, i
 }
 
 float powerinfer_model_input_threshold(const struct powerinfer_model * model, int32_t il, int32_t input) {
-    return il >= 0 && il < model->hp.n_layer && input >= 0 && input < POWERINFER_INPUT_COUNT ? model->layers[il].in_tau[input] : NAN;
+    const int32_t k = pi_input_index(model, il, input);
+    return k >= 0 ? pi_input_tau(model, k) : NAN;
 }
 
 bool powerinfer_model_input_sparse(const struct powerinfer_model * model, int32_t il, int32_t input) {
-    return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && il >= 0 && il < model->hp.n_layer && input >= 0 &&
-           input < POWERINFER_INPUT_COUNT && model->layers[il].in_cm[input].n_segs > 0;
+    const int32_t k = pi_input_index(model, il, input);
+    return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && k >= 0 &&
+           pi_input_cm(model, k)->n_segs > 0;
 }
 
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.

@@ -271,6 +271,10 @@ struct powerinfer_model {
     struct ggml_tensor * output_norm_b;
     struct ggml_tensor * output;    // == tok_embd when the output is tied
     struct ggml_tensor * output_p;  // output packed (pack_dense), NULL when not
+    // Input mode's output matrix (the LM head): its threshold (< 0: dense) and column copy,
+    // as a layer's inputs (pi_input_index: the input after the last layer's).
+    float                head_tau;
+    struct pi_colmat     head_cm;
     struct pi_layer      layers[PI_MAX_LAYERS];
 
     struct pi_placement  placement;
@@ -283,6 +287,29 @@ struct powerinfer_model {
 
     double t_load_ms;
 };
+
+// Input mode's inputs, flat: layer il's input i at il * POWERINFER_INPUT_COUNT + i, then the
+// output matrix's at n_layer * POWERINFER_INPUT_COUNT. The API names that one (n_layer, 0).
+static inline int32_t pi_n_inputs(const struct powerinfer_model * model) {
+    return model->hp.n_layer * POWERINFER_INPUT_COUNT + 1;
+}
+// The flat index of input `input` of layer il, or -1 when there is none.
+static inline int32_t pi_input_index(const struct powerinfer_model * model, int32_t il, int32_t input) {
+    if (il >= 0 && il < model->hp.n_layer && input >= 0 && input < POWERINFER_INPUT_COUNT) {
+        return il * POWERINFER_INPUT_COUNT + input;
+    }
+    return il == model->hp.n_layer && input == 0 ? il * POWERINFER_INPUT_COUNT : -1;
+}
+// (like strchr: the copy is the model's, writable while the model is being loaded)
+static inline struct pi_colmat * pi_input_cm(const struct powerinfer_model * model, int32_t k) {
+    struct powerinfer_model * m = (struct powerinfer_model *) model;
+    return k < m->hp.n_layer * POWERINFER_INPUT_COUNT ? &m->layers[k / POWERINFER_INPUT_COUNT].in_cm[k % POWERINFER_INPUT_COUNT]
+                                                      : &m->head_cm;
+}
+static inline float pi_input_tau(const struct powerinfer_model * model, int32_t k) {
+    return k < model->hp.n_layer * POWERINFER_INPUT_COUNT ? model->layers[k / POWERINFER_INPUT_COUNT].in_tau[k % POWERINFER_INPUT_COUNT]
+                                                          : model->head_tau;
+}
 
 // ---- model_loader.c ----
 // Validates the file, parses GGUF metadata and maps tensor data. Fills path, gguf,

@@ -577,9 +577,14 @@ int32_t pi_pack_dense_weights(struct powerinfer_model * model) {
 // stay for batches (prompts), which run dense. A group with a type that has no column
 // form (F16, IQ types, ...) keeps running dense.
 
-// The matrices of input i of layer l, in the order their rows are stacked; returns how many.
-static int input_matrices(const struct pi_layer * l, int i, struct ggml_tensor ** w) {
-    switch (i) {
+// The matrices of input k (pi_input_index) in the order their rows are stacked; returns how many.
+static int input_matrices(const struct powerinfer_model * model, int32_t k, struct ggml_tensor ** w) {
+    if (k >= model->hp.n_layer * POWERINFER_INPUT_COUNT) {  // the output matrix
+        w[0] = model->output;
+        return model->output ? 1 : 0;
+    }
+    const struct pi_layer * l = &model->layers[k / POWERINFER_INPUT_COUNT];
+    switch (k % POWERINFER_INPUT_COUNT) {
         case POWERINFER_INPUT_QKV:
             if (l->wqkv) { w[0] = l->wqkv; return 1; }
             w[0] = l->wq; w[1] = l->wk; w[2] = l->wv;
@@ -605,13 +610,11 @@ struct cols_job {
 static void * cols_worker(void * arg) {
     struct cols_job * job = arg;
     struct powerinfer_model * model = job->model;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        struct pi_layer * l = &model->layers[il];
-        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
-            struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
-            if (l->in_cm[i].n_segs > 0 && input_matrices(l, i, w) > 0) {
-                pi_colmat_fill(&l->in_cm[i], w, job->ith, job->nth);
-            }
+    for (int32_t k = 0; k < pi_n_inputs(model); ++k) {
+        struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
+        struct pi_colmat * cm = pi_input_cm(model, k);
+        if (cm->n_segs > 0 && input_matrices(model, k, w) > 0) {
+            pi_colmat_fill(cm, w, job->ith, job->nth);
         }
     }
     return NULL;
@@ -624,23 +627,21 @@ int32_t pi_make_input_copies(struct powerinfer_model * model) {
     const double t0 = pi_time_ms();
     size_t total = 0;
     int32_t n_copies = 0, n_dense = 0;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        struct pi_layer * l = &model->layers[il];
-        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
-            struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
-            const int n = input_matrices(l, i, w);
-            bool mapped = n > 0 && !(l->in_tau[i] < 0.0f);  // a negative threshold: this input runs dense
-            for (int k = 0; k < n; ++k) mapped &= w[k] && w[k]->buffer == model->buf_weights;
-            const size_t bytes = mapped ? pi_colmat_plan(&l->in_cm[i], w, n) : 0;
-            if (bytes == 0) {
-                memset(&l->in_cm[i], 0, sizeof(l->in_cm[i]));
-                ++n_dense;
-                continue;
-            }
-            l->in_cm[i].q = (const uint8_t *) (uintptr_t) total;  // an offset until the region exists
-            total += (bytes + 4095) & ~(size_t) 4095;
-            ++n_copies;
+    for (int32_t k = 0; k < pi_n_inputs(model); ++k) {
+        struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
+        struct pi_colmat * cm = pi_input_cm(model, k);
+        const int n = input_matrices(model, k, w);
+        bool mapped = n > 0 && !(pi_input_tau(model, k) < 0.0f);  // a negative threshold: this input runs dense
+        for (int i = 0; i < n; ++i) mapped &= w[i] && w[i]->buffer == model->buf_weights;
+        const size_t bytes = mapped ? pi_colmat_plan(cm, w, n) : 0;
+        if (bytes == 0) {
+            memset(cm, 0, sizeof(*cm));
+            n_dense += k < model->hp.n_layer * POWERINFER_INPUT_COUNT;  // the output matrix is dense by default
+            continue;
         }
+        cm->q = (const uint8_t *) (uintptr_t) total;  // an offset until the region exists
+        total += (bytes + 4095) & ~(size_t) 4095;
+        ++n_copies;
     }
     if (n_copies == 0) {
         pi_log(POWERINFER_LOG_WARN, "powerinfer: input mode: no matrix has a column form; everything runs dense\n");
@@ -657,11 +658,9 @@ int32_t pi_make_input_copies(struct powerinfer_model * model) {
 #endif
     model->cols_addr = region;
     model->cols_size = total;
-    for (int32_t il = 0; il < model->hp.n_layer; ++il) {
-        for (int i = 0; i < POWERINFER_INPUT_COUNT; ++i) {
-            struct pi_colmat * cm = &model->layers[il].in_cm[i];
-            if (cm->n_segs > 0) pi_colmat_bind(cm, (uint8_t *) region + (uintptr_t) cm->q);
-        }
+    for (int32_t k = 0; k < pi_n_inputs(model); ++k) {
+        struct pi_colmat * cm = pi_input_cm(model, k);
+        if (cm->n_segs > 0) pi_colmat_bind(cm, (uint8_t *) region + (uintptr_t) cm->q);
     }
     int32_t nth = model->params.n_threads > 0 ? model->params.n_threads : (int32_t) sysconf(_SC_NPROCESSORS_ONLN);
     nth = nth < 1 ? 1 : nth > 64 ? 64 : nth;

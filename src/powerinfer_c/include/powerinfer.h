@@ -64,6 +64,8 @@ enum powerinfer_sparse_mode {
 };
 
 // The inputs of input mode, per layer (powerinfer_input_stats, powerinfer.input_thresholds).
+// The functions that take (il, input) also take (n_layer, 0): the output matrix's input, the
+// final norm's output (powerinfer.output_threshold; absent or < 0: dense).
 enum powerinfer_input {
     POWERINFER_INPUT_QKV  = 0, // the attention norm's output: q, k and v
     POWERINFER_INPUT_O    = 1, // the attention's output: o
