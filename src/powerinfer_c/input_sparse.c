@@ -735,8 +735,18 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
     return s->sc + (size_t) (s->scales == PI_CM_6K ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE);
 }
 
-// acc (+)= the q of NG (1 or 2) groups of 4 columns times each token's 4 inputs per group,
-// over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
+// Groups of 4 columns per pass over acc, at most: one pass covers a Q6_K chunk of 16, half
+// a 32-column one. Each pass loads and stores (or folds) the sums once, so fewer passes are
+// less work per kept column. Measured on Qwen2.5-1.5B's groups (bench-input-sparse, 2 EPYC
+// cores, 4 groups against 2): down Q4_K at 40% 0.150-0.164 ms against 0.165-0.180, at 50%
+// 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
+// gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
+#ifndef PI_CM_PASS_GROUPS
+#define PI_CM_PASS_GROUPS 4
+#endif
+
+// acc (+)= the q of NG (1 to PI_CM_PASS_GROUPS) groups of 4 columns times each token's 4
+// inputs per group, over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
 // (nothing is read). pf: 4 * NG columns (the next pass's) whose lines are brought into L2
 // along the way, or NULL (a column's run of a segment can be short: down's 768 bytes).
 //
@@ -752,11 +762,12 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
     const bool six = s->scales == PI_CM_6K;
     const uint8_t * scp = fold ? seg_sc(s, j) : NULL;
     const int64_t n_pad = cm->n_pad;
-    const uint8_t * p[8], * q[8];
+    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
     for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
     for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
     const __m512i z = _mm512_setzero_si512();
-    const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = NG > 1 ? _mm512_set1_epi32(x4[T]) : z;  // token 0's
+    __m512i x0[PI_CM_PASS_GROUPS];  // token 0's inputs of each group
+    for (int g = 0; g < NG; ++g) x0[g] = _mm512_set1_epi32(x4[g * T]);
     for (int64_t ti = ta; ti < tz; ++ti) {
         const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
         // PI_CM_PREFETCH_TILES tiles ahead: these columns' later tiles, then the next pass's first
@@ -785,16 +796,15 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
         for (int h = 0; h < 2; ++h) {
             const int64_t r = ti * TILE + h * HALF;
             if (r >= s->n_rows) break;
-            __m512i w[2][4];
-            half_w(p, lo, hi, BITS, h, w[0]);
-            if (NG > 1) half_w(p + 4, lo, hi, BITS, h, w[1]);
+            __m512i w[PI_CM_PASS_GROUPS][4];
+            for (int g = 0; g < NG; ++g) half_w(p + 4 * g, lo, hi, BITS, h, w[g]);
             for (int64_t t = 0; t < T; ++t) {
-                const __m512i xa = t == 0 ? x0 : _mm512_set1_epi32(x4[t]);
-                const __m512i xb = NG > 1 ? (t == 0 ? x1 : _mm512_set1_epi32(x4[T + t])) : z;
+                __m512i xt[PI_CM_PASS_GROUPS];
+                for (int g = 0; g < NG; ++g) xt[g] = t == 0 ? x0[g] : _mm512_set1_epi32(x4[g * T + t]);
                 int32_t * a = acc + t * n_pad + s->pad0 + r;
                 for (int m = 0; m < 4; ++m) {
-                    __m512i v = _mm512_dpbusd_epi32(first ? z : _mm512_loadu_si512(a + 16 * m), w[0][m], xa);
-                    if (NG > 1) v = _mm512_dpbusd_epi32(v, w[1][m], xb);
+                    __m512i v = first ? z : _mm512_loadu_si512(a + 16 * m);
+                    for (int g = 0; g < NG; ++g) v = _mm512_dpbusd_epi32(v, w[g][m], xt[g]);
                     if (!fold) {
                         _mm512_storeu_si512(a + 16 * m, v);
                         continue;
@@ -819,14 +829,16 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
         int64_t ta, tz;
         seg_tiles(cm, k, ga, gb, &ta, &tz);
         if (ta >= tz) continue;
+#define PI_CM_NG(B, N) \
+        if (fold) groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
+        else      groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz);
+#if PI_CM_PASS_GROUPS >= 4
 #define PI_CM_CASE(B) \
-        if (fold) { \
-            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
-            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
-        } else { \
-            if (NG == 2) groups_seg(cm, s, B, 2, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz); \
-            else         groups_seg(cm, s, B, 1, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz); \
-        }
+        switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
+#else
+#define PI_CM_CASE(B) \
+        if (NG == 2) { PI_CM_NG(B, 2) } else { PI_CM_NG(B, 1) }
+#endif
         switch (s->bits) {
             case 4:  PI_CM_CASE(4); break;
             case 5:  PI_CM_CASE(5); break;
@@ -834,6 +846,7 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
             default: PI_CM_CASE(8); break;
         }
 #undef PI_CM_CASE
+#undef PI_CM_NG
     }
 }
 
@@ -966,7 +979,7 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
     const int64_t per = kmode ? QK_K / C : 1, c_end = u1 * per;
     bool written = false;    // pb.y holds something
     bool t_written = false;  // pb.t holds this super-block's sums
-    // Groups in pairs: one pass over acc for 8 columns (with xblock 256 the chunk's last pass
+    // Up to PI_CM_PASS_GROUPS groups per pass over acc (with xblock 256 the chunk's last pass
     // folds into t). Each pass brings the next pass's columns into L2 as it goes.
     int64_t c = u0 * per;
     while (c < c_end && chunk_at(prep, c, C, T).n_groups == 0) ++c;
@@ -975,11 +988,12 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
         int64_t cn = c + 1;  // the next chunk with columns
         while (cn < c_end && chunk_at(prep, cn, C, T).n_groups == 0) ++cn;
         const struct chunk_view vn = cn < c_end ? chunk_at(prep, cn, C, T) : (struct chunk_view) { 0 };
-        for (int32_t g = 0; g < v.n_groups; g += 2) {
-            const int ng = v.n_groups - g >= 2 ? 2 : 1;
-            const bool last = g + 2 >= v.n_groups;
-            const int32_t * pf = last ? vn.cols : v.cols + 4 * (g + 2);
-            const int npf = last ? 4 * (vn.n_groups >= 2 ? 2 : vn.n_groups) : 4 * (v.n_groups - g - 2 >= 2 ? 2 : 1);
+        const int32_t G = PI_CM_PASS_GROUPS;
+        for (int32_t g = 0; g < v.n_groups; g += G) {
+            const int ng = v.n_groups - g >= G ? G : v.n_groups - g;
+            const bool last = g + G >= v.n_groups;
+            const int32_t * pf = last ? vn.cols : v.cols + 4 * (g + G);
+            const int npf = 4 * (last ? (vn.n_groups >= G ? G : vn.n_groups) : (v.n_groups - g - G >= G ? G : v.n_groups - g - G));
             groups_pass(cm, v.cols + 4 * g, v.x4 + g * T, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
                         !t_written, v.s8, pb.ga, pb.gb);
         }
