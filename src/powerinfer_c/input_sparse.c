@@ -613,6 +613,14 @@ static inline void seg_tiles(const struct pi_colmat * cm, int k, int64_t ga, int
     *tz = gb - base < 0 ? 0 : gb - base > n ? n : gb - base;
 }
 
+// Zeroes the piece's rows of a [T][n_pad] plane of 4-byte values (y, acc or t): a column
+// piece's row pieces share its plane of partials, so a piece touches only its own rows.
+static void zero_piece_rows(void * plane, int64_t T, int64_t n_pad, struct piece_buf pb) {
+    for (int64_t t = 0; t < T; ++t) {
+        memset((uint32_t *) plane + t * n_pad + pb.ga * TILE, 0, sizeof(uint32_t) * (size_t) ((pb.gb - pb.ga) * TILE));
+    }
+}
+
 // ---- scalar kernels (any CPU; the bits of the SIMD ones) --
 
 static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
@@ -627,11 +635,9 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
         ra[k] = ta * TILE < cm->seg[k].n_rows ? ta * TILE : cm->seg[k].n_rows;
         rz[k] = tz * TILE < cm->seg[k].n_rows ? tz * TILE : cm->seg[k].n_rows;
     }
-    for (int64_t t = 0; t < T; ++t) {  // the plane is shared with the column piece's other row pieces
-        memset(pb.y + t * n_pad + pb.ga * TILE, 0, sizeof(float) * (size_t) ((pb.gb - pb.ga) * TILE));
-    }
+    zero_piece_rows(pb.y, T, n_pad, pb);
     for (int64_t u = u0; u < u1; ++u) {
-        for (int64_t i = 0; i < T * n_pad; ++i) pb.t[i] = 0;
+        zero_piece_rows(pb.t, T, n_pad, pb);
         bool any = false;
         const float * dx = NULL;
         const int64_t c0 = u * per;
@@ -640,7 +646,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
             if (v.n_groups == 0) continue;
             any = true;
             dx = v.dx;
-            for (int64_t i = 0; i < T * n_pad; ++i) pb.acc[i] = 0;
+            zero_piece_rows(pb.acc, T, n_pad, pb);
             for (int k = 0; k < cm->n_segs; ++k) {
                 const struct pi_colmat_seg * s = &cm->seg[k];
                 for (int32_t g = 0; g < v.n_groups; ++g) {
@@ -741,9 +747,7 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // cores, 4 groups against 2): down Q4_K at 40% 0.150-0.164 ms against 0.165-0.180, at 50%
 // 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
-#ifndef PI_CM_PASS_GROUPS
 #define PI_CM_PASS_GROUPS 4
-#endif
 
 // acc (+)= the q of NG (1 to PI_CM_PASS_GROUPS) groups of 4 columns times each token's 4
 // inputs per group, over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
@@ -832,13 +836,8 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
 #define PI_CM_NG(B, N) \
         if (fold) groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
         else      groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz);
-#if PI_CM_PASS_GROUPS >= 4
 #define PI_CM_CASE(B) \
         switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
-#else
-#define PI_CM_CASE(B) \
-        if (NG == 2) { PI_CM_NG(B, 2) } else { PI_CM_NG(B, 1) }
-#endif
         switch (s->bits) {
             case 4:  PI_CM_CASE(4); break;
             case 5:  PI_CM_CASE(5); break;
@@ -1010,11 +1009,7 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
         }
         c = cn;
     }
-    if (!written) {  // the piece's rows
-        for (int64_t t = 0; t < T; ++t) {
-            memset(pb.y + t * cm->n_pad + pb.ga * TILE, 0, sizeof(float) * (size_t) ((pb.gb - pb.ga) * TILE));
-        }
-    }
+    if (!written) zero_piece_rows(pb.y, T, cm->n_pad, pb);
 }
 #endif
 
@@ -1094,11 +1089,6 @@ static struct piece_grid grid_of(const struct pi_colmat * cm, int64_t n_threads)
     return g;
 }
 
-static int64_t n_pieces_of(const struct pi_colmat * cm, int64_t n_threads) {
-    const struct piece_grid g = grid_of(cm, n_threads);
-    return g.n_col * g.n_row;
-}
-
 // The order in which the threads claim the pieces: the most work first (kept groups times
 // tiles; ties by index), so that the last pieces claimed are short and no thread waits
 // long for another at the op's end. Every thread computes the same order from the records;
@@ -1127,8 +1117,8 @@ static void piece_order(const struct pi_colmat * cm, const struct prep_view * pv
 }
 
 // The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per column
-// piece its partial output [T][n_pad] (its row pieces write disjoint rows); per thread that claims pieces (slots) its two int32
-// scratch planes [T][n_pad]. Each part 64-byte aligned.
+// piece its partial output [T][n_pad] (its row pieces write disjoint rows); per thread that
+// claims pieces (slots) its two int32 scratch planes [T][n_pad]. Each part 64-byte aligned.
 struct op_layout {
     size_t  prep, parts, scratch, total;
     int64_t slots;
@@ -1136,11 +1126,12 @@ struct op_layout {
 
 static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads) {
     const size_t align = 16, plane = (size_t) (cm->n_pad * T);
+    const struct piece_grid G = grid_of(cm, n_threads);
     struct op_layout L;
-    L.slots   = n_threads < n_pieces_of(cm, n_threads) ? n_threads : n_pieces_of(cm, n_threads);
+    L.slots   = n_threads < G.n_col * G.n_row ? n_threads : G.n_col * G.n_row;
     L.prep    = ((size_t) (cm->n_out * T) + align - 1) / align * align;
     L.parts   = L.prep + ((size_t) (cm->n_in / cm->chunk * rec_len(cm->chunk, T)) + align - 1) / align * align;
-    L.scratch = L.parts + (size_t) grid_of(cm, n_threads).n_col * plane;
+    L.scratch = L.parts + (size_t) G.n_col * plane;
     L.total   = L.scratch + 2 * (size_t) L.slots * plane;
     return L;
 }
@@ -1151,7 +1142,8 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     struct pi_input_op * op = userdata;
     const struct pi_colmat * cm = op->cm;
     const struct ggml_tensor * x = dst->src[0];
-    const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = n_pieces_of(cm, op->n_threads), n_pad = cm->n_pad;
+    const struct piece_grid G = grid_of(cm, op->n_threads);
+    const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = G.n_col * G.n_row, n_pad = cm->n_pad;
     const struct op_layout L = layout_of(cm, T, op->n_threads);
     float * y = (float *) dst->data;
     const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
@@ -1168,7 +1160,6 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
 
     // threads beyond the scratch slots (more than the graph was built for) claim no pieces
     int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
-    const struct piece_grid G = grid_of(cm, op->n_threads);
     int64_t order[PI_CM_MAX_PIECES];
     if (ith < L.slots) piece_order(cm, &pv, T, G, order);
     for (; ith < L.slots;) {
