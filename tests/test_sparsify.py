@@ -296,3 +296,35 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
             assert (np.abs(y - ref) <= bound).all(), float(np.abs(y - ref).max())
         n_kept, n_total = c.input_stats(n_layer, 0)
         assert n_total == n_in * (len(toks) - 1) and 0.45 < n_kept / n_total < 0.75
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen"])
+def test_bench_counts_the_column_kernels_bytes(which, smollm2_path, qwen_path):
+    """The bench's ceiling counts what the column copy reads: every matrix's quants (bits per
+    weight from the type alone) and its scales, the file's per block (its type size less the
+    quants) with K-quants' packed 6-bit sc and mins unpacked to bytes (+4 per 256 weights)."""
+    import gguf
+
+    from powerinfer_py.bench.input_sparse import _column_bytes
+
+    path = smollm2_path if which == "smollm2" else qwen_path
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    n_layer = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("blk."))
+    quants, scales = _column_bytes(path, n_layer)
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+    want_q, want_s = np.zeros_like(quants), np.zeros_like(scales)
+    for name, t in tensors.items():
+        parts = name.split(".")
+        at = (n_layer, 0) if name == ("output.weight" if "output.weight" in tensors else "token_embd.weight") else None
+        for i, inp in enumerate(INPUTS):
+            if parts[0] == "blk" and ".".join(parts[2:]) in sparsify_mod.INPUT_TENSORS[inp]:
+                at = (int(parts[1]), i)
+        if at is None:
+            continue
+        n = int(np.prod([int(x) for x in t.shape]))
+        q = n * bits[t.tensor_type.name] / 8
+        want_q[at] += q
+        want_s[at] += int(t.n_bytes) - q + (4 * n / 256 if t.tensor_type.name in ("Q4_K", "Q5_K") else 0)
+    assert np.count_nonzero(want_q) > 4 * n_layer  # every layer's four inputs and the head
+    np.testing.assert_allclose(quants, want_q)
+    np.testing.assert_allclose(scales, want_s)
