@@ -519,7 +519,9 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
 // y += d * dx * (t - offsets) (- dmin * dx * sum(m * s8) for Q4_K / Q5_K), as ggml's K-quant
 // dot products do.
 
+#ifndef PI_CM_PIECES
 #define PI_CM_PIECES 16
+#endif
 // Tiles ahead whose lines a pass brings into L2 (about bandwidth x latency in flight).
 // Measured on Qwen2.5-1.5B's gate+up (2 EPYC cores): 24 tiles ahead ran 8-10% faster than
 // 12; columns shorter than that prefetch the next pass's columns at the same tile.
@@ -1046,15 +1048,19 @@ static void op_barrier(struct pi_input_op * op, int nth) {
 #ifndef PI_CM_MIN_PIECES
 #define PI_CM_MIN_PIECES 12
 #endif
-// Columns longer than this many tiles (an LM head's 151936 rows: 1187 tiles) are cut into
-// row pieces only, each running every kept column over its rows: one partial plane (a
-// column piece of the whole head would need 600 KiB a token, and one per piece). A row's sum
-// then runs in one piece, so the row pieces may follow the thread count (at least one each)
-// without changing a bit. Measured on Qwen2.5-1.5B's Q6_K head (bench-input-sparse, 2 EPYC
-// cores, 40%): pieces of ~300 tiles 3.56 ms, of ~600 3.84, of ~150 4.05, of ~50 5.06 (and the
-// column grid, 6 x 2 pieces, 3.62).
+// Columns longer than this many tiles (an LM head's 151936 rows: 1187 tiles; a gate+up
+// group from n_ff 4096 on) are cut into row pieces only, each running every kept column over
+// its rows: one partial plane, which is y itself when no segment is padded, so no sum of
+// partials and no barrier before it (a column piece of the whole head would need 600 KiB a
+// token, and one per piece). A row's sum then runs in one piece, so the row pieces may
+// follow the thread count (at least one each) without changing a bit. Measured on
+// Qwen2.5-1.5B's Q6_K head (bench-input-sparse, 2 EPYC cores, 40%): pieces of ~300 tiles
+// 3.56 ms, of ~600 3.84, of ~150 4.05, of ~50 5.06 (and the column grid, 6 x 2 pieces,
+// 3.62). On its gate+up (140 tiles), `main` at 40% (alternating runs, 3-4 x 200 tokens):
+// one row piece per thread 37.6-38.7 tok/s against the column grid's 36.1-37.9 (6 x 2
+// pieces); two per thread 34.0. Qwen2.5-0.5B (76 tiles) at 40%: 63.5 against 61.6.
 #ifndef PI_CM_LONG_TILES
-#define PI_CM_LONG_TILES 512
+#define PI_CM_LONG_TILES 64
 #endif
 #ifndef PI_CM_LONG_PIECE_TILES
 #define PI_CM_LONG_PIECE_TILES 320
@@ -1119,9 +1125,14 @@ static void piece_order(const struct pi_colmat * cm, const struct prep_view * pv
 // The op's memory, in 4-byte words: the result y [T][n_out]; the chunk records; per column
 // piece its partial output [T][n_pad] (its row pieces write disjoint rows); per thread that
 // claims pieces (slots) its two int32 scratch planes [T][n_pad]. Each part 64-byte aligned.
+// When no segment is padded (n_pad == n_out: every matrix's rows whole tiles, as in the
+// models measured here), y has a plane's layout and is the first column piece's plane: the
+// sum of the partials then starts from it, and with one column piece (an LM head's row
+// pieces) there is no sum and no barrier before it.
 struct op_layout {
     size_t  prep, parts, scratch, total;
     int64_t slots;
+    bool    y_plane;  // y is column piece 0's plane; parts holds pieces 1 ..
 };
 
 static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads) {
@@ -1131,7 +1142,8 @@ static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_
     L.slots   = n_threads < G.n_col * G.n_row ? n_threads : G.n_col * G.n_row;
     L.prep    = ((size_t) (cm->n_out * T) + align - 1) / align * align;
     L.parts   = L.prep + ((size_t) (cm->n_in / cm->chunk * rec_len(cm->chunk, T)) + align - 1) / align * align;
-    L.scratch = L.parts + (size_t) G.n_col * plane;
+    L.y_plane = cm->n_pad == cm->n_out;
+    L.scratch = L.parts + (size_t) (G.n_col - L.y_plane) * plane;
     L.total   = L.scratch + 2 * (size_t) L.slots * plane;
     return L;
 }
@@ -1147,7 +1159,8 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     const struct op_layout L = layout_of(cm, T, op->n_threads);
     float * y = (float *) dst->data;
     const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
-    float * parts = (float *) dst->data + L.parts;
+    // column piece cp's partial plane (parts - plane: piece 0's, never read when it is y)
+    float * parts = (float *) dst->data + L.parts - (L.y_plane ? (size_t) (n_pad * T) : 0);
 
     const int64_t n_blocks = cm->n_in / cm->xblock;
     const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, n_blocks * ith / nth, n_blocks * (ith + 1) / nth);
@@ -1167,7 +1180,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         if (i >= n_pieces) break;
         const int64_t p = order[i];
         const int64_t cp = p / G.n_row, rp = p % G.n_row;
-        const struct piece_buf pb = { parts + (size_t) cp * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
+        const struct piece_buf pb = { cp == 0 && L.y_plane ? y : parts + (size_t) cp * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
                                       G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
         const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
 #ifdef PI_CM_VNNI
@@ -1177,6 +1190,9 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         }
 #endif
         piece_scalar(cm, &pv, T, u0, u1, pb);
+    }
+    if (L.y_plane && G.n_col == 1) {
+        return;  // the pieces wrote y; ggml's barrier ends the node
     }
     op_barrier(op, nth);
 
@@ -1190,7 +1206,9 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         for (int64_t t = 0; t < T; ++t) {
             float * yt = y + t * cm->n_out + s->row0;
             const float * part = parts + t * n_pad + s->pad0;
-            for (int64_t r = r0; r < r1; ++r) yt[r] = part[r];
+            if (!L.y_plane) {
+                for (int64_t r = r0; r < r1; ++r) yt[r] = part[r];
+            }
             for (int64_t cp = 1; cp < G.n_col; ++cp) {
                 const float * pp = part + (size_t) cp * (size_t) (n_pad * T);
                 for (int64_t r = r0; r < r1; ++r) yt[r] += pp[r];
