@@ -140,7 +140,14 @@ def test_threshold_zero_follows_the_dense_path(qwen_path):
     assert np.array_equal(dense[0], sparse[0])  # a sequence's first token runs dense
     span = dense.max(axis=1) - dense.min(axis=1)
     assert (np.abs(dense - sparse).max(axis=1) < 0.06 * span).all()
-    assert (dense.argmax(axis=1) == sparse.argmax(axis=1)).mean() >= 0.95
+    # the greedy token agrees wherever the dense path decided it: a lead of more than 1% of
+    # the span over the second (near-ties go either way with the 8-bit inputs' rounding,
+    # which any change of summation order moves: 3 of 40 tokens here, leads of 0.004 to 0.1
+    # with spans near 30)
+    top2 = np.sort(dense, axis=1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 0.01 * span
+    assert decided.mean() >= 0.8
+    assert (dense.argmax(axis=1) == sparse.argmax(axis=1))[decided].mean() >= 0.95
 
 
 def test_kl_grows_with_sparsity(smollm2_path):

@@ -462,7 +462,9 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                 int32_t sum8 = 0;
                 int8_t q[32] = { 0 };
 #ifdef PI_CM_VNNI
-                // the chunk's inputs quantized, token t's kept ones (others 0), packed down to the union's order
+                // the chunk's inputs quantized, token t's kept ones (others 0), packed down to the union's order;
+                // the sum the fold needs: of the 8-bit values (xblock 256, one reduction a chunk) or of the inputs
+                __m512i s8v = _mm512_setzero_si512();
                 for (int64_t l = 0; l < C; l += 16) {
                     const __m512 xv = _mm512_loadu_ps(xt + j0 + l);
                     const __mmask16 kt = (__mmask16) (keep[t] >> l), ku = (__mmask16) (any >> l);
@@ -471,11 +473,15 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                     const __m512 half = _mm512_or_ps(_mm512_and_ps(v, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(0.5f));
                     const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
                     const __m512i qi = _mm512_maskz_cvttps_epi32(kt & fin, _mm512_add_ps(v, half));
-                    sum8 += _mm512_reduce_add_epi32(qi);
-                    sum += _mm512_mask_reduce_add_ps(kt, xv);
+                    if (kmode) {
+                        s8v = _mm512_add_epi32(s8v, qi);
+                    } else {
+                        sum += _mm512_mask_reduce_add_ps(kt, xv);
+                    }
                     const int pos = __builtin_popcount(any & ((1u << l) - 1));
                     _mm_storeu_si128((__m128i *) (q + pos), _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(ku, qi)));
                 }
+                sum8 = _mm512_reduce_add_epi32(s8v);
 #else
                 for (int32_t i = 0; i < n; ++i) {
                     const int64_t j = cols[i];
