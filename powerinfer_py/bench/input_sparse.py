@@ -88,13 +88,13 @@ def _dense_bytes(path: str) -> float:
     return float(total + (sizes.get("token_embd.weight", 0) if "output.weight" not in sizes else 0))
 
 
-# Per ggml block type: (bytes of a block in the file, bytes of its quants). The column copy
-# keeps the quants and, per row and block, the scales unpacked (input_sparse.c: K-quants'
-# 6-bit sc and mins as bytes, so Q4_K / Q5_K 20 bytes where the file packs 16), and reads
-# a block's scales whenever any of its columns is kept: at these sparsities, nearly always.
-_COLUMN_BLOCKS = {"Q4_0": (18, 16), "Q4_1": (20, 16), "Q5_0": (22, 20), "Q5_1": (24, 20), "Q8_0": (34, 32),
-                  "Q4_K": (144, 128), "Q5_K": (176, 160), "Q6_K": (210, 192)}
-_COLUMN_SCALES = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q5_1": 4, "Q8_0": 2, "Q4_K": 20, "Q5_K": 20, "Q6_K": 18}
+# Per ggml block type: (bytes of a block in the file, of its quants, of the scales the column
+# copy keeps for it). The copy keeps the quants and, per row and block, the scales unpacked
+# (input_sparse.c: K-quants' 6-bit sc and mins as bytes, so Q4_K / Q5_K 20 bytes where the
+# file packs 16), and reads a block's scales whenever any of its columns is kept: at these
+# sparsities, nearly always.
+_COLUMN_BLOCKS = {"Q4_0": (18, 16, 2), "Q4_1": (20, 16, 4), "Q5_0": (22, 20, 2), "Q5_1": (24, 20, 4),
+                  "Q8_0": (34, 32, 2), "Q4_K": (144, 128, 20), "Q5_K": (176, 160, 20), "Q6_K": (210, 192, 18)}
 
 
 def _column_bytes(path: str, n_layer: int) -> tuple:
@@ -102,28 +102,14 @@ def _column_bytes(path: str, n_layer: int) -> tuple:
     (what the kept columns read) and of the scales the column kernel reads per token whatever
     the kept share; an input at kept share k reads quants * k + scales. NaN where a matrix's
     type has no column form."""
-    import gguf
-
-    from ..pipeline.sparsify import INPUT_TENSORS, INPUTS as NAMES
+    from ..formats.gguf_io import open_gguf
+    from ..pipeline.sparsify import INPUTS as NAMES, input_tensors
 
     quants, scales = np.zeros((n_layer + 1, len(NAMES))), np.zeros((n_layer + 1, len(NAMES)))
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-
-    def add(at: tuple, t: Any) -> None:
-        name = t.tensor_type.name
-        blocks = int(t.n_bytes) / _COLUMN_BLOCKS[name][0] if name in _COLUMN_BLOCKS else float("nan")
-        quants[at] += blocks * (_COLUMN_BLOCKS[name][1] if name in _COLUMN_BLOCKS else 1)
-        scales[at] += blocks * _COLUMN_SCALES.get(name, 1)
-
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if head is not None:
-        add((n_layer, 0), head)
-    for name, t in tensors.items():
-        parts = name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layer:
-            for i, inp in enumerate(NAMES):
-                if parts[2] in INPUT_TENSORS[inp]:
-                    add((int(parts[1]), i), t)
+    for at, t in input_tensors(open_gguf(path), n_layer):
+        block, q, sc = _COLUMN_BLOCKS.get(t.tensor_type.name, (float("nan"),) * 3)
+        quants[at] += int(t.n_bytes) / block * q
+        scales[at] += int(t.n_bytes) / block * sc
     return quants, scales
 
 

@@ -106,20 +106,28 @@ def threshold_for(counts: np.ndarray, lo: float, hi: float, sparsity: float) -> 
     return float(10.0 ** (lo + (b + min(max(frac, 0.0), 1.0)) * width))
 
 
-def input_bytes(model_path: str, n_layer: int) -> np.ndarray:
-    """Bytes of the matrices reading each input: [n_layer + 1, 4], the last row the output
-    matrix's (input 0; the token embeddings when the output is tied to them)."""
-    out = np.zeros((n_layer + 1, len(INPUTS)))
-    reader = open_gguf(model_path)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    out[n_layer, 0] = sizes.get("output.weight", sizes.get("token_embd.weight", 0))
+def input_tensors(reader, n_layer: int):
+    """(layer, input) and tensor for every matrix reading an input (INPUT_TENSORS), the output
+    matrix as (n_layer, 0) (the token embeddings when the output is tied to them)."""
+    tensors = {t.name: t for t in reader.tensors}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is not None:
+        yield (n_layer, 0), head
     for t in reader.tensors:
         parts = t.name.split(".", 2)
         if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or int(parts[1]) >= n_layer:
             continue
         for i, name in enumerate(INPUTS):
             if parts[2] in INPUT_TENSORS[name]:
-                out[int(parts[1]), i] += int(t.n_bytes)
+                yield (int(parts[1]), i), t
+
+
+def input_bytes(model_path: str, n_layer: int) -> np.ndarray:
+    """Bytes of the matrices reading each input: [n_layer + 1, 4], the last row the output
+    matrix's (input 0; the token embeddings when the output is tied to them)."""
+    out = np.zeros((n_layer + 1, len(INPUTS)))
+    for at, t in input_tensors(open_gguf(model_path), n_layer):
+        out[at] += int(t.n_bytes)
     return out
 
 
