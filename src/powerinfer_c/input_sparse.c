@@ -1154,6 +1154,13 @@ static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_
     return L;
 }
 
+// Column piece cp's partial plane [T][n_pad]: y itself for piece 0 when L.y_plane.
+static inline float * part_plane(struct ggml_tensor * dst, const struct op_layout * L, int64_t plane, int64_t cp) {
+    float * base = (float *) dst->data;
+    return L->y_plane ? (cp == 0 ? base : base + L->parts + (size_t) (cp - 1) * (size_t) plane)
+                      : base + L->parts + (size_t) cp * (size_t) plane;
+}
+
 // prepare (threads by quantization blocks) | the pieces (claimed) | the sum of the pieces'
 // partials (threads by rows), with two barriers: one graph node.
 static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -1165,8 +1172,6 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     const struct op_layout L = layout_of(cm, T, op->n_threads);
     float * y = (float *) dst->data;
     const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
-    // column piece cp's partial plane (parts - plane: piece 0's, never read when it is y)
-    float * parts = (float *) dst->data + L.parts - (L.y_plane ? (size_t) (n_pad * T) : 0);
 
     const int64_t n_blocks = cm->n_in / cm->xblock;
     const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, n_blocks * ith / nth, n_blocks * (ith + 1) / nth);
@@ -1186,7 +1191,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         if (i >= n_pieces) break;
         const int64_t p = order[i];
         const int64_t cp = p / G.n_row, rp = p % G.n_row;
-        const struct piece_buf pb = { cp == 0 && L.y_plane ? y : parts + (size_t) cp * (size_t) (n_pad * T), scratch, scratch + n_pad * T,
+        const struct piece_buf pb = { part_plane(dst, &L, n_pad * T, cp), scratch, scratch + n_pad * T,
                                       G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
         const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
 #ifdef PI_CM_VNNI
@@ -1211,12 +1216,12 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         const int64_t r0 = (g - base) * TILE, r1 = r0 + TILE < s->n_rows ? r0 + TILE : s->n_rows;
         for (int64_t t = 0; t < T; ++t) {
             float * yt = y + t * cm->n_out + s->row0;
-            const float * part = parts + t * n_pad + s->pad0;
             if (!L.y_plane) {
-                for (int64_t r = r0; r < r1; ++r) yt[r] = part[r];
+                const float * p0 = part_plane(dst, &L, n_pad * T, 0) + t * n_pad + s->pad0;
+                for (int64_t r = r0; r < r1; ++r) yt[r] = p0[r];
             }
             for (int64_t cp = 1; cp < G.n_col; ++cp) {
-                const float * pp = part + (size_t) cp * (size_t) (n_pad * T);
+                const float * pp = part_plane(dst, &L, n_pad * T, cp) + t * n_pad + s->pad0;
                 for (int64_t r = r0; r < r1; ++r) yt[r] += pp[r];
             }
         }
