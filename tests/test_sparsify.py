@@ -179,6 +179,9 @@ def test_allocation():
     assert g[0, 0] == 0 or g[0, 0] >= 0.25  # an input is dense or at least S_MIN sparse
     e = lambda s, i: float(dropped_energy(counts[0, i], lo, hi, np.array([s]))[0])  # noqa: E731
     assert e(g[0, 0], 0) + e(g[0, 1], 1) < e(0.4, 0) + e(0.4, 1)
+    # frozen: an input greedy leaves dense, the budget spent on the others
+    f = allocate(counts, lo, hi, nbytes, 0.4, "greedy", frozen=np.array([[False, True]]))
+    assert f[0, 1] == 0 and f[0, 0] == pytest.approx(0.8)
     # thresholds are the histogram's quantiles
     for s in (0.1, 0.5, 0.9):
         tau = threshold_for(light, lo, hi, s)
@@ -244,6 +247,15 @@ def test_measured_weights_and_runtime_thresholds(smollm2_path, corpus):
     s = allocate(counts, lo, hi, nbytes, 0.4, "greedy", weights=w, head=True)
     assert (s * nbytes).sum() / nbytes[:-1].sum() == pytest.approx(0.4)
     assert ((s == 0) | (s >= sparsify_mod.S_MIN - 1e-9)).all()
+    # the candidates scored whole on the probe passages, each on the budget: the lowest KL kept
+    r, chosen, scores = sparsify_mod.choose_allocation(smollm2_path, read_corpus([corpus]), counts, lo, hi, nbytes, 0.4, w,
+                                                       progress=False)
+    assert "measured" in scores and "energy" in scores and chosen == min(scores, key=scores.get)
+    assert all(v > 0 for v in scores.values())
+    assert (r * nbytes).sum() / nbytes[:-1].sum() == pytest.approx(0.4)
+    assert ((r == 0) | (r >= sparsify_mod.S_MIN - 1e-9)).all()
+    if chosen.endswith("output matrix dense"):
+        assert r[-1, 0] == 0
     # the runtime thresholds: only where a column copy exists, finite and >= 0
     with Model(smollm2_path, sparse_mode="input", sparse_threshold=0.0) as m, Context(m, n_ctx=64, n_threads=2) as c:
         c.set_input_threshold(0, 0, 0.5)
