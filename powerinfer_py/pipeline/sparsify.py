@@ -34,6 +34,7 @@ It ends with the trust card (`powerinfer eval`) of OUT against the original on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -277,11 +278,18 @@ class _Probe:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @staticmethod
+    def reuse(opened: Optional["_Probe"], model_path: str, texts: Sequence[str], counts: np.ndarray, lo: float, hi: float,
+              threads: int):
+        """opened itself (left open) when given, else a new probe: one model load and one set
+        of reference log-probabilities serve the weights and the choice."""
+        return contextlib.nullcontext(opened) if opened is not None else _Probe(model_path, texts, counts, lo, hi, threads)
+
 
 def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
-                    threads: int = 2, progress: bool = True) -> np.ndarray:
+                    threads: int = 2, progress: bool = True, opened: Optional[_Probe] = None) -> np.ndarray:
     """Per (layer, input) weight of the dropped-energy curves: [n_layer + 1, 4], the output
-    matrix last (see PROBE_SPARSITY)."""
+    matrix last (see PROBE_SPARSITY); opened: an open _Probe on the same text to use."""
     from .._progress import Progress
 
     n_rows, n_layer = counts.shape[0], counts.shape[0] - 1  # the layers, then the output matrix
@@ -291,7 +299,7 @@ def measure_weights(model_path: str, texts: Sequence[str], counts: np.ndarray, l
     energy = np.array([[dropped_energy(counts[il, i], lo, hi, np.array([probe[il, i]]))[0] if probe[il, i] > 0 else 0.0
                         for i in range(len(INPUTS))] for il in range(n_rows)])
     bar = Progress("measuring sensitivity", 1 + n_rows + len(INPUTS), progress)
-    with _Probe(model_path, texts, counts, lo, hi, threads) as pr:
+    with _Probe.reuse(opened, model_path, texts, counts, lo, hi, threads) as pr:
         bar.advance(1)
         # an input the probe cannot map stays dense, and its weight stays the mean
         probe = np.where(pr.mapped, probe, 0.0)
@@ -340,11 +348,12 @@ HEAD_TOLERANCE, HEAD_ROUNDS = 0.05, 3
 
 
 def choose_allocation(model_path: str, texts: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
-                      sparsity: float, weights: np.ndarray, threads: int = 2,
-                      progress: bool = True) -> Tuple[np.ndarray, str, Dict[str, float]]:
+                      sparsity: float, weights: np.ndarray, threads: int = 2, progress: bool = True,
+                      opened: Optional[_Probe] = None) -> Tuple[np.ndarray, str, Dict[str, float]]:
     """The measured allocation at `sparsity`, its output matrix's weight measured at its own
     level (see HEAD_ROUNDS), or the candidate on the same budget that scores a lower KL on
-    the probe passages: (allocation, its name, every candidate's KL)."""
+    the probe passages: (allocation, its name, every candidate's KL). opened: an open _Probe
+    on the same text to use."""
     from .._progress import Progress
 
     n_layer = counts.shape[0] - 1
@@ -360,7 +369,7 @@ def choose_allocation(model_path: str, texts: Sequence[str], counts: np.ndarray,
         return float(dropped_energy(counts[n_layer, 0], lo, hi, np.array([level]))[0])
 
     bar = Progress("choosing the allocation", 5 + HEAD_ROUNDS, progress)
-    with _Probe(model_path, texts, counts, lo, hi, threads) as pr:
+    with _Probe.reuse(opened, model_path, texts, counts, lo, hi, threads) as pr:
 
         def kl(a: np.ndarray) -> float:
             bar.advance(1)
@@ -458,13 +467,13 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
             texts = calibration_texts(corpus, samples, model_path, threads)
             histograms = collect_input_histograms(model_path, texts, n_tokens, threads, progress=progress)
         counts, lo, hi, used = histograms
-        if allocation == "measured" and weights is None:
-            texts = texts or calibration_texts(corpus, samples, model_path, threads)
-            weights = measure_weights(model_path, texts, counts, lo, hi, nbytes, threads, progress)
         if allocation == "measured":
             texts = texts or calibration_texts(corpus, samples, model_path, threads)
-            s, chosen, scores = choose_allocation(model_path, texts, counts, lo, hi, nbytes, sparsity, weights, threads,
-                                                  progress)
+            with _Probe(model_path, texts, counts, lo, hi, threads) as pr:
+                if weights is None:
+                    weights = measure_weights(model_path, texts, counts, lo, hi, nbytes, threads, progress, pr)
+                s, chosen, scores = choose_allocation(model_path, texts, counts, lo, hi, nbytes, sparsity, weights, threads,
+                                                      progress, pr)
             method = f"measured ({chosen})"
         else:
             s = allocate(counts, lo, hi, nbytes, sparsity, allocation, None, head=True)
