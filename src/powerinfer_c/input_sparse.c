@@ -808,6 +808,30 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
         for (int h = 0; h < 2; ++h) {
             const int64_t r = ti * TILE + h * HALF;
             if (r >= s->n_rows) break;
+            if (T == 1) {
+                // one token (a decode step): the groups' q go straight into four running sums,
+                // so that no group's interleaved q waits in memory for the others
+                int32_t * a = acc + s->pad0 + r;
+                __m512i v[4];
+                for (int m = 0; m < 4; ++m) v[m] = first ? z : _mm512_loadu_si512(a + 16 * m);
+                for (int g = 0; g < NG; ++g) {
+                    __m512i w[4];
+                    half_w(p + 4 * g, lo, hi, BITS, h, w);
+                    for (int m = 0; m < 4; ++m) v[m] = _mm512_dpbusd_epi32(v[m], w[m], x0[g]);
+                }
+                for (int m = 0; m < 4; ++m) {
+                    if (!fold) {
+                        _mm512_storeu_si512(a + 16 * m, v[m]);
+                        continue;
+                    }
+                    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r + 16 * m));
+                    const __m512i vm = six ? _mm512_sub_epi32(v[m], _mm512_set1_epi32(32 * s8[0])) : v[m];
+                    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), vm);
+                    int32_t * tp = tsum + s->pad0 + r + 16 * m;
+                    _mm512_storeu_si512(tp, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tp), pv));
+                }
+                continue;
+            }
             __m512i w[PI_CM_PASS_GROUPS][4];
             for (int g = 0; g < NG; ++g) half_w(p + 4 * g, lo, hi, BITS, h, w[g]);
             for (int64_t t = 0; t < T; ++t) {
