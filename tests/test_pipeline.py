@@ -11,7 +11,7 @@ import pytest
 
 from powerinfer_py.formats import pt_io
 from powerinfer_py.pipeline import cli
-from powerinfer_py.pipeline.common import tokenize_texts
+from powerinfer_py.pipeline.common import spread_pieces, tokenize_texts
 from powerinfer_py.formats.gguf_io import KEY_STATS_N_TOKENS, KEY_THRESHOLDS, field, open_gguf, tensor_f32
 from powerinfer_py.pipeline.convert import convert, permute_qk, unpermute_qk, write_safetensors
 from powerinfer_py.assets.synthetic import PRESETS, generate
@@ -82,6 +82,22 @@ def _assert_greedy_follows(ids, rows, ref_rows, tol):
 
 
 # ---------------------------------------------------------------- metrics
+
+def test_spread_pieces_sample_the_whole_corpus():
+    # three documents of distinct lines: the pieces come from all of them, in order, each
+    # from a line's start and of the asked length
+    docs = ["".join(f"{name} line {i:04d}\n" for i in range(400)) for name in ("alpha", "beta", "gamma")]
+    pieces = spread_pieces(docs, 6, 100)
+    assert pieces is not None and len(pieces) == 6
+    assert [p.split()[0] for p in pieces] == ["alpha", "alpha", "beta", "beta", "gamma", "gamma"]
+    for p in pieces:
+        assert len(p) == 100 and p.split("\n")[0] in "".join(docs).split("\n")
+    # places evenly spaced: the first from the first sixth, not the corpus's start
+    assert pieces[0] != docs[0][:100]
+    # a corpus too short to sample is taken whole by the callers
+    assert spread_pieces(["short text"], 4, 100) is None
+    assert spread_pieces(docs, 0, 100) is None
+
 
 def test_recall_precision_hand_cases():
     logits = np.array([[2.0, -1.0, 0.5, -3.0], [0.1, 0.2, -0.2, 1.0]])

@@ -22,30 +22,43 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file
+from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, spread_pieces
 
 T = TypeVar("T")
+# Characters of text taken per token wanted when sampling pieces of a corpus: enough for
+# prose (about 4 per token) and for text with runs of spaces (rendered manual pages).
+CHARS_PER_TOKEN = 12
 
 
 def decode_calibration(model_path: str, texts: Sequence[str], n_tokens: int, read: Callable[[Context], T],
-                       n_threads: int = 2, chunk: int = 256, progress: bool = True) -> Tuple[T, int]:
+                       n_threads: int = 2, chunk: int = 256, progress: bool = True, spread: bool = False) -> Tuple[T, int]:
     """Runs up to n_tokens calibration tokens (whole chunks) through the dense model with the
-    core's activation histograms on; returns (read(context) afterwards, tokens used)."""
+    core's activation histograms on; returns (read(context) afterwards, tokens used). The
+    tokens are the texts' first, or with spread, one chunk from each of n_tokens / chunk
+    evenly spaced places of the texts (common.spread_pieces; the first when the texts are
+    too short for that)."""
     with Model(model_path, sparse_mode="dense") as model, \
             Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
-        tokens: List[int] = []
-        for text in texts:
-            tokens.extend(model.tokenize(text.encode(), True, False))
-            if len(tokens) >= n_tokens:
-                break
-        tokens = tokens[:n_tokens]
-        if len(tokens) < chunk:
-            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
-        used = len(tokens) // chunk * chunk
+        pieces = spread_pieces(texts, n_tokens // chunk, chunk * CHARS_PER_TOKEN) if spread else None
+        if pieces is not None:
+            chunks = [model.tokenize(p.encode(), True, False)[:chunk] for p in pieces]
+        else:
+            tokens: List[int] = []
+            for text in texts:
+                tokens.extend(model.tokenize(text.encode(), True, False))
+                if len(tokens) >= n_tokens:
+                    break
+            tokens = tokens[:n_tokens]
+            if len(tokens) < chunk:
+                raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
+            chunks = [tokens[k : k + chunk] for k in range(0, len(tokens) // chunk * chunk, chunk)]
+        used = sum(len(c) for c in chunks)
         bar = Progress("calibrating", used, progress)
-        for done in range(0, used, chunk):
-            ctx.decode(tokens[done : done + chunk], 0)
-            bar.update(done + chunk)
+        done = 0
+        for c in chunks:
+            ctx.decode(c, 0)
+            done += len(c)
+            bar.update(done)
         bar.close()
         return read(ctx), used
 

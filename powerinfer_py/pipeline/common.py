@@ -113,6 +113,26 @@ def read_samples(path: str) -> Tuple[Dict, List[Dict]]:
     return head, recs
 
 
+def spread_pieces(texts: Sequence[str], n: int, chars: int) -> Optional[List[str]]:
+    """n pieces of `chars` characters from evenly spaced places of the texts taken as one
+    (the middles of n equal parts), each from a line's start, so that a sample of the
+    corpus is the corpus as a whole and not its first document; None when the texts hold
+    fewer than 2 * n * chars characters (a small corpus is best taken whole)."""
+    total = sum(len(t) for t in texts)
+    if n < 1 or chars < 1 or total < 2 * n * chars:
+        return None
+    starts = np.cumsum([0] + [len(t) for t in texts])
+    pieces = []
+    for k in range(n):
+        at = (2 * k + 1) * total // (2 * n)
+        i = int(np.searchsorted(starts, at, side="right")) - 1
+        text, off = texts[i], at - int(starts[i])
+        line = text.rfind("\n", max(0, off - chars // 2), off)  # back to a line's start, if one is near
+        off = line + 1 if line >= 0 else off
+        pieces.append(text[off : off + chars])
+    return pieces
+
+
 def read_corpus(files: Sequence[str]) -> List[str]:
     """The texts of the corpus files: plain text, or the samples of a `powerinfer sample`
     .jsonl file (its texts joined by blank lines)."""

@@ -45,8 +45,8 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
-from .calibrate import decode_calibration
-from .common import PipelineError, files, read_corpus, run_cli, same_file
+from .calibrate import CHARS_PER_TOKEN, decode_calibration
+from .common import PipelineError, files, read_corpus, run_cli, same_file, spread_pieces
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
 KEY_OUTPUT_THRESHOLD = "powerinfer.output_threshold"
@@ -69,7 +69,7 @@ def collect_input_histograms(model_path: str, texts: Sequence[str], n_tokens: in
     then the output matrix's (row n_layer, input 0): (counts [n_layer + 1, 4, n_bins],
     log10_min, log10_max, tokens used)."""
     (counts, lo, hi), used = decode_calibration(model_path, texts, n_tokens, Context.input_histograms, n_threads, chunk,
-                                                progress)
+                                                progress, spread=True)
     return counts, lo, hi, used
 
 
@@ -199,7 +199,7 @@ def allocate(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, spars
 # and the greedy allocation runs again on the weighted curves. A fixed probe makes the
 # weights depend on the model and the text alone, so every sparsity uses the same ones.
 PROBE_SPARSITY = 0.4
-PROBE_PASSAGES, PROBE_TOKENS, PROBE_BATCH = 4, 128, 16
+PROBE_PASSAGES, PROBE_TOKENS, PROBE_BATCH = 8, 96, 16
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -239,16 +239,23 @@ class _Probe:
         except BaseException:
             self.model.close()
             raise
-        tokens: List[int] = []
-        for text in texts:
-            tokens.extend(self.model.tokenize(text.encode(), True, False))
-            if len(tokens) >= PROBE_PASSAGES * PROBE_TOKENS:
-                break
-        if len(tokens) < 2 * PROBE_TOKENS:
+        # passages from evenly spaced places of the text (its first tokens when it is short):
+        # the corpus's first document alone would weigh its domain's harms only
+        pieces = spread_pieces(texts, PROBE_PASSAGES, PROBE_TOKENS * CHARS_PER_TOKEN)
+        if pieces is not None:
+            passages = [self.model.tokenize(p.encode(), True, False)[:PROBE_TOKENS] for p in pieces]
+            passages = [p for p in passages if len(p) >= PROBE_TOKENS // 2]
+        else:
+            tokens: List[int] = []
+            for text in texts:
+                tokens.extend(self.model.tokenize(text.encode(), True, False))
+                if len(tokens) >= PROBE_PASSAGES * PROBE_TOKENS:
+                    break
+            passages = [tokens[k : k + PROBE_TOKENS] for k in range(0, len(tokens) - PROBE_TOKENS + 1, PROBE_TOKENS)]
+        if sum(len(p) for p in passages) < 2 * PROBE_TOKENS:
             self.close()
-            raise PipelineError(f"the calibration text has only {len(tokens)} tokens; the measured allocation needs "
-                                f"{2 * PROBE_TOKENS} (or use --allocation greedy)")
-        passages = [tokens[k : k + PROBE_TOKENS] for k in range(0, len(tokens) - PROBE_TOKENS + 1, PROBE_TOKENS)]
+            raise PipelineError(f"the calibration text has only {sum(len(p) for p in passages)} tokens; the measured "
+                                f"allocation needs {2 * PROBE_TOKENS} (or use --allocation greedy)")
         self.passages = passages[:PROBE_PASSAGES]
         # an input whose matrices have no column copy (a type the kernels do not take) runs
         # dense in the copy too
