@@ -209,6 +209,9 @@ def test_cli_end_to_end_with_card(smollm2_path, corpus, tmp_path, capsys):
     assert rc == 0, err.err
     assert out.exists() and (tmp_path / "s.card.md").exists() and (tmp_path / "s.card.json").exists()
     assert "| legal | input |" in err.out
+    # the summary gives the layers' inputs by kind and the output matrix apart
+    line = next(ln for ln in err.err.splitlines() if ln.startswith("sparsify:"))
+    assert "qkv " in line and "down " in line and ", output matrix " in line
     # without held-out text there is no card, and the command says why
     assert cli.main(["sparsify", smollm2_path, "--sparsity", "0.25", "--out", str(tmp_path / "t.gguf"), "--corpus", corpus]) == 1
     assert "held-out" in capsys.readouterr().err

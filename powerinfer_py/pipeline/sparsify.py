@@ -521,7 +521,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         samples = a.samples if a.samples is not None else (0 if a.corpus else 2048)
         r = sparsify(a.model, a.out, a.sparsity, a.corpus, samples, a.n_tokens, a.allocation, a.threads)
         s, b = r["sparsity"], r["bytes"]
-        per_input = ", ".join(f"{name} {np.average(s[:, i], weights=b[:, i]):.0%}" for i, name in enumerate(INPUTS))
+        # the layers' inputs by kind, then the output matrix (row n_layer, input 0: not a q/k/v)
+        per_input = ", ".join(f"{name} {np.average(s[:-1, i], weights=b[:-1, i]):.0%}" for i, name in enumerate(INPUTS))
+        per_input += f", output matrix {s[-1, 0]:.0%}"
         print(f"sparsify: {r['tokens']} calibration tokens, {r['allocation']} allocation: {per_input} of each input's entries "
               f"dropped ({a.sparsity:.0%} of the bytes) in {r['seconds']:.0f} s; wrote {a.out}", file=sys.stderr)
         if a.no_card:
