@@ -16,18 +16,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, spread_pieces
+from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, token_chunks
 
 T = TypeVar("T")
-# Characters of text taken per token wanted when sampling pieces of a corpus: enough for
-# prose (about 4 per token) and for text with runs of spaces (rendered manual pages).
-CHARS_PER_TOKEN = 12
 
 
 def decode_calibration(model_path: str, texts: Sequence[str], n_tokens: int, read: Callable[[Context], T],
@@ -39,19 +36,9 @@ def decode_calibration(model_path: str, texts: Sequence[str], n_tokens: int, rea
     too short for that)."""
     with Model(model_path, sparse_mode="dense") as model, \
             Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
-        pieces = spread_pieces(texts, n_tokens // chunk, chunk * CHARS_PER_TOKEN) if spread else None
-        if pieces is not None:
-            chunks = [model.tokenize(p.encode(), True, False)[:chunk] for p in pieces]
-        else:
-            tokens: List[int] = []
-            for text in texts:
-                tokens.extend(model.tokenize(text.encode(), True, False))
-                if len(tokens) >= n_tokens:
-                    break
-            tokens = tokens[:n_tokens]
-            if len(tokens) < chunk:
-                raise PipelineError(f"the calibration text has only {len(tokens)} tokens; need at least {chunk}")
-            chunks = [tokens[k : k + chunk] for k in range(0, len(tokens) // chunk * chunk, chunk)]
+        chunks = token_chunks(lambda t: model.tokenize(t.encode(), True, False), texts, n_tokens // chunk, chunk, spread)
+        if not chunks:
+            raise PipelineError(f"the calibration text has fewer than {chunk} tokens (one chunk)")
         used = sum(len(c) for c in chunks)
         bar = Progress("calibrating", used, progress)
         done = 0

@@ -133,6 +133,30 @@ def spread_pieces(texts: Sequence[str], n: int, chars: int) -> Optional[List[str
     return pieces
 
 
+# Characters of text taken per token wanted when sampling pieces of a corpus: enough for
+# prose (about 4 per token) and for text with runs of spaces (rendered manual pages).
+CHARS_PER_TOKEN = 12
+
+
+def token_chunks(tokenize: Callable[[str], List[int]], texts: Sequence[str], n: int, length: int,
+                 spread: bool = True) -> List[List[int]]:
+    """Up to n chunks of up to `length` tokens (tokenize: text -> ids, with the model's BOS):
+    with spread, one from each of n evenly spaced places of the texts (spread_pieces; a piece
+    shorter than half a chunk is left out); else, or when the texts are too short to spread,
+    the consecutive whole chunks of their first tokens."""
+    pieces = spread_pieces(texts, n, length * CHARS_PER_TOKEN) if spread else None
+    if pieces is not None:
+        chunks = [tokenize(p)[:length] for p in pieces]
+        return [c for c in chunks if len(c) >= length // 2]
+    tokens: List[int] = []
+    for text in texts:
+        tokens.extend(tokenize(text))
+        if len(tokens) >= n * length:
+            break
+    end = min(len(tokens), n * length)
+    return [tokens[k : k + length] for k in range(0, end - length + 1, length)]
+
+
 def read_corpus(files: Sequence[str]) -> List[str]:
     """The texts of the corpus files: plain text, or the samples of a `powerinfer sample`
     .jsonl file (its texts joined by blank lines)."""

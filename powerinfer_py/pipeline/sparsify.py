@@ -45,8 +45,8 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
-from .calibrate import CHARS_PER_TOKEN, decode_calibration
-from .common import PipelineError, files, read_corpus, run_cli, same_file, spread_pieces
+from .calibrate import decode_calibration
+from .common import PipelineError, files, read_corpus, run_cli, same_file, token_chunks
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
 KEY_OUTPUT_THRESHOLD = "powerinfer.output_threshold"
@@ -241,22 +241,13 @@ class _Probe:
             raise
         # passages from evenly spaced places of the text (its first tokens when it is short):
         # the corpus's first document alone would weigh its domain's harms only
-        pieces = spread_pieces(texts, PROBE_PASSAGES, PROBE_TOKENS * CHARS_PER_TOKEN)
-        if pieces is not None:
-            passages = [self.model.tokenize(p.encode(), True, False)[:PROBE_TOKENS] for p in pieces]
-            passages = [p for p in passages if len(p) >= PROBE_TOKENS // 2]
-        else:
-            tokens: List[int] = []
-            for text in texts:
-                tokens.extend(self.model.tokenize(text.encode(), True, False))
-                if len(tokens) >= PROBE_PASSAGES * PROBE_TOKENS:
-                    break
-            passages = [tokens[k : k + PROBE_TOKENS] for k in range(0, len(tokens) - PROBE_TOKENS + 1, PROBE_TOKENS)]
-        if sum(len(p) for p in passages) < 2 * PROBE_TOKENS:
+        self.passages = token_chunks(lambda t: self.model.tokenize(t.encode(), True, False), texts, PROBE_PASSAGES,
+                                     PROBE_TOKENS)
+        n = sum(len(p) for p in self.passages)
+        if n < 2 * PROBE_TOKENS:
             self.close()
-            raise PipelineError(f"the calibration text has only {sum(len(p) for p in passages)} tokens; the measured "
-                                f"allocation needs {2 * PROBE_TOKENS} (or use --allocation greedy)")
-        self.passages = passages[:PROBE_PASSAGES]
+            raise PipelineError(f"the calibration text has only {n} tokens; the measured allocation needs "
+                                f"{2 * PROBE_TOKENS} (or use --allocation greedy)")
         # an input whose matrices have no column copy (a type the kernels do not take) runs
         # dense in the copy too
         self.mapped = np.array([[self.model.input_sparse(il, i) for i in range(len(INPUTS))] for il in range(counts.shape[0])])
