@@ -788,6 +788,22 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
 
+// Sixteen rows' sums v of token t: stored into acc at a, or (fold) folded into t's
+// super-block sums, tsum[i] (+)= sc * v with sc the rows' scales at scp + r (Q6_K: sc * (v -
+// 32 * s8[t]), its offset).
+static inline __attribute__((always_inline)) void put_sums(__m512i v, int32_t * a, const bool fold, const uint8_t * scp,
+                                                           int64_t r, const bool six, const int32_t * s8, int64_t t,
+                                                           int32_t * tsum, size_t i, bool t_first) {
+    if (!fold) {
+        _mm512_storeu_si512(a, v);
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r));
+    if (six) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * s8[t]));
+    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), v);
+    _mm512_storeu_si512(tsum + i, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tsum + i), pv));
+}
+
 // acc (+)= the q of NG (1 to PI_CM_PASS_GROUPS) groups of 4 columns times each token's 4
 // inputs per group, over segment s's rows: one pass over acc for 4 * NG columns. first: acc starts from 0
 // (nothing is read). pf: 4 * NG columns (the next pass's) whose lines are brought into L2
@@ -851,15 +867,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                     for (int m = 0; m < 4; ++m) v[m] = _mm512_dpbusd_epi32(v[m], w[m], x0[g]);
                 }
                 for (int m = 0; m < 4; ++m) {
-                    if (!fold) {
-                        _mm512_storeu_si512(a + 16 * m, v[m]);
-                        continue;
-                    }
-                    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r + 16 * m));
-                    const __m512i vm = six ? _mm512_sub_epi32(v[m], _mm512_set1_epi32(32 * s8[0])) : v[m];
-                    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), vm);
-                    int32_t * tp = tsum + s->pad0 + r + 16 * m;
-                    _mm512_storeu_si512(tp, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tp), pv));
+                    put_sums(v[m], a + 16 * m, fold, scp, r + 16 * m, six, s8, 0, tsum, s->pad0 + r + 16 * m, t_first);
                 }
                 continue;
             }
@@ -872,15 +880,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                 for (int m = 0; m < 4; ++m) {
                     __m512i v = first ? z : _mm512_loadu_si512(a + 16 * m);
                     for (int g = 0; g < NG; ++g) v = _mm512_dpbusd_epi32(v, w[g][m], xt[g]);
-                    if (!fold) {
-                        _mm512_storeu_si512(a + 16 * m, v);
-                        continue;
-                    }
-                    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r + 16 * m));
-                    if (six) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * s8[t]));
-                    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), v);
-                    int32_t * tp = tsum + t * n_pad + s->pad0 + r + 16 * m;
-                    _mm512_storeu_si512(tp, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tp), pv));
+                    put_sums(v, a + 16 * m, fold, scp, r + 16 * m, six, s8, t, tsum, t * n_pad + s->pad0 + r + 16 * m, t_first);
                 }
             }
         }
