@@ -212,9 +212,10 @@ class Llama:
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
-        `flash_attn` defaults to None (auto): ggml's flash-attention op, except for dense
-        mode on a standard GGUF, which keeps llama.cpp's plain attention graph and its exact
-        results (True/False force it, as upstream).
+        `flash_attn` defaults to None (auto): a fused attention op (the core's pi_attention
+        on the CPU, ggml's flash attention on a device), except for dense mode on a standard
+        GGUF, which keeps llama.cpp's plain attention graph and its exact results
+        (True/False force it, as upstream).
 
         llama-cpp-python parameters that change nothing here (GPU split, NUMA, n_ubatch,
         YaRN details, ...) and unknown keyword arguments are accepted and ignored.

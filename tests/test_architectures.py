@@ -124,7 +124,10 @@ def test_falcon_dense_matches_llama_cpp(falcon):
 @pytest.mark.parametrize("budget_share", [None, 0.5])
 def test_falcon_predictor_matches_dense(falcon, budget_share):
     """PWRI Falcon (ReLU) with its exact predictor: the same tokens as dense, on the CPU
-    and split with the device emulated."""
+    and split with the device emulated. Log-probabilities agree to 1e-4 on the CPU (the
+    same attention op); the split graph attends with ggml's flash attention, which sums V
+    in fp16 (2^-11 relative), where the CPU's pi_attention sums in fp32: measured up to
+    8e-4 apart on this model, so 2e-3 there."""
     path = falcon["powerinfer"]
 
     def run(mode, **kw):
@@ -143,6 +146,7 @@ def test_falcon_predictor_matches_dense(falcon, budget_share):
         kw = dict(vram_budget=budget / 2**30, emulate_device=True, reset_gpu_index=True)
     pred, p = run("predictor", **kw)
     assert pred["text"] == dense["text"]
-    np.testing.assert_allclose(pred["logprobs"]["token_logprobs"], dense["logprobs"]["token_logprobs"], atol=1e-4)
+    np.testing.assert_allclose(pred["logprobs"]["token_logprobs"], dense["logprobs"]["token_logprobs"],
+                               atol=1e-4 if budget_share is None else 2e-3)
     if budget_share is not None:
         assert p["active"] and 0 < p["n_hot"] < p["n_neurons"] and p["bytes_total"] <= p["budget"]

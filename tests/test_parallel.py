@@ -141,7 +141,10 @@ def test_cells_out_of_position_order_do_not_change_a_sequence(smol_model, smol_l
 def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invariant):
     """ggml's CPU flash attention tiles batches of 64 query rows or more, and splits a single
     row's attention over the threads when it spans 512 cells or more: both change the rounding
-    with the batch and the cell layout. batch_invariant (the reference kernels) keeps them out."""
+    with the batch and the cell layout. CPU contexts now attend with pi_attention whether
+    batch_invariant or not, so a 6-token prompt batched with 70 other tokens, and a step whose
+    cell lies past 512, equal their solo runs in both: SmolLM2's Q4_1 matmuls have no tiled
+    kernel (the K-quants' is checked in test_unrepacked_k_quants_batch_bit_for_bit)."""
     t = smol_llama.tokenize(b"def fibonacci(n):")
     with _ctx(smol_model, batch_invariant=batch_invariant) as c:
         c.decode_batch(t, [1] * len(t), [True] * len(t))
@@ -156,10 +159,8 @@ def test_kernels_that_depend_on_the_batch(smol_model, smol_llama, batch_invarian
             c.decode_batch(list(range(300, 370)), [0] * 70, [False] * 69 + [True])
         c.decode_batch([500], [1], [True])
         step_far = c.logits().copy()
-    same = np.array_equal(batched, alone) and np.array_equal(step_far, step_alone)
-    assert same == batch_invariant
-    # Either way the difference is rounding, amplified by quantized activations.
-    assert np.abs(step_far - step_alone).max() < 0.1 * np.abs(step_alone).max()
+    np.testing.assert_array_equal(batched, alone)
+    np.testing.assert_array_equal(step_far, step_alone)
 
 
 def test_a_prompt_in_one_batch_equals_its_tokens_one_by_one(smol_model, smol_llama):
@@ -765,24 +766,24 @@ def test_server_disconnect_frees_the_slot(parallel_server):
 
 
 def test_invariant_attention_matches_ggml_attention(smol_model, smol_llama):
-    """pi_attention (batch-invariant contexts) against ggml's plain attention (mul_mat and
-    softmax over every cell) on the same weights, with ggml's own flash attention as the
-    control: a 700-token text fed in batches of 64 (later batches read earlier cells: many
-    blocks of 16 cells, the prefetch running ahead of the rows) and short prompts. The
-    8-bit activations amplify rounding either way: measured, pi_attention's per-token KL to
-    plain attention has mean 0.0012 and 99th percentile 0.009 on the text (flash: 0.0014,
-    0.014), and at one token of the 700 both flash kernels are far from plain (KL 0.13 and
-    0.05; 0.02 to each other). Bounds: the mean below 0.015 and below 1.5x flash's + 0.001,
-    the 99th percentile below 0.05, the greedy token the same at 95% of positions."""
+    """pi_attention (every flash-attention context on the CPU) against ggml's plain
+    attention (mul_mat and softmax over every cell) on the same weights: a 700-token text
+    fed in batches of 64 (later batches read earlier cells: many blocks of 16 cells, the
+    prefetch running ahead of the rows) and short prompts. The 8-bit activations amplify
+    rounding either way: measured, pi_attention's per-token KL to plain attention has mean
+    0.0012 and 99th percentile 0.009 on the text, where ggml's own flash attention (which
+    these contexts used before) had 0.0014 and 0.014. Bounds: the mean below 0.004 and the
+    99th percentile below 0.03 (about 3x the measured values, below flash's 99th percentile
+    x 2), the greedy token the same at 95% of positions."""
     words = ["river", "stone", "lamp", "garden", "winter", "letter", "bridge", "engine"]
     text = " ".join(f"On day {i} the {words[i % 8]} was {words[(3 * i + 1) % 8]}." for i in range(120))
     token_sets = [smol_llama.tokenize(text.encode())[:700]] + [smol_llama.tokenize(p.encode()) for p in PROMPTS]
     assert len(token_sets[0]) == 700
-    kl: Dict[str, List[float]] = {"pi": [], "flash": []}
+    kl: List[float] = []
     same = []
     for t in token_sets:
         rows = {}
-        for key, (fa, bi) in {"pi": (1, True), "flash": (1, False), "plain": (0, False)}.items():
+        for key, (fa, bi) in {"pi": (1, True), "plain": (0, False)}.items():
             with _ctx(smol_model, flash_attn=fa, batch_invariant=bi) as c:
                 parts = []
                 for i in range(0, len(t), 64):
@@ -790,13 +791,26 @@ def test_invariant_attention_matches_ggml_attention(smol_model, smol_llama):
                     c.decode_batch(chunk, [2] * len(chunk), [True] * len(chunk))
                     parts.append(c.logits(0, len(chunk)).astype(np.float64))
                 rows[key] = np.concatenate(parts)
-        for key in kl:
-            kl[key].extend(_kl_rows(rows["plain"], rows[key]))
+        kl.extend(_kl_rows(rows["plain"], rows["pi"]))
         same.extend(rows["pi"].argmax(axis=1) == rows["plain"].argmax(axis=1))
-    mean_pi, mean_flash = np.mean(kl["pi"]), np.mean(kl["flash"])
-    assert mean_pi < 0.015 and mean_pi < 1.5 * mean_flash + 0.001, (mean_pi, mean_flash)
-    assert np.percentile(kl["pi"], 99) < 0.05
+    assert np.mean(kl) < 0.004, np.mean(kl)
+    assert np.percentile(kl, 99) < 0.03, np.percentile(kl, 99)
     assert np.mean(same) >= 0.95
+
+
+def test_attention_split_heads_same_bits(smol_model, smol_llama):
+    """A decode step has fewer (token, KV head) pairs than threads when the model has few
+    KV heads: pi_attention then cuts each head group among the threads. SmolLM2 has 3 KV
+    heads, so 4 threads split each group in two and 1 thread does not; every kernel's result
+    is independent of the thread count, so the logits must agree bit for bit."""
+    tokens = smol_llama.tokenize(PROMPTS[0].encode())
+    runs = []
+    for n_threads in (1, 4):
+        with Context(smol_model, n_ctx=256, n_threads=n_threads, n_threads_batch=n_threads, flash_attn=1,
+                     batch_invariant=True) as c:
+            runs.append(_greedy(c, 0, tokens, 6))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_release_threads_then_compute_again(smol_model, smol_llama):

@@ -1,5 +1,6 @@
-// attention.c - attention over the f16 KV cache for batch-invariant contexts (several
-// sequences stepping together, docs/parallel.md).
+// attention.c - attention over the f16 KV cache: every flash-attention context whose cache
+// is on the CPU (context.c), batch-invariant by construction (several sequences stepping
+// together, docs/parallel.md).
 //
 // Each (token, KV head) pair is computed alone: the scores of the head group's queries
 // against the token's own cells, taken in position order from a list the context builds
@@ -224,13 +225,21 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
         t += len;
     }
     tile[n_tiles] = (int32_t) n_tokens;
-    for (int64_t w = ith; w < n_tiles * n_head_kv; w += nth) {
-        const int64_t t0 = tile[w / n_head_kv], nt = tile[w / n_head_kv + 1] - t0, g = w % n_head_kv;
+    // Work items: (tile, KV head, part of the head group). With fewer (tile, KV head) pairs
+    // than threads (a decode step of a model with few KV heads) each group is cut into parts
+    // of its query heads; a head's operations are the same in any part, so its result is too.
+    const int64_t pairs = n_tiles * n_head_kv;
+    const int64_t parts = pairs >= nth ? 1 : (nth + pairs - 1) / pairs < group ? (nth + pairs - 1) / pairs : group;
+    for (int64_t w = ith; w < pairs * parts; w += nth) {
+        const int64_t pair = w / parts, part = w % parts;
+        const int64_t t0 = tile[pair / n_head_kv], nt = tile[pair / n_head_kv + 1] - t0, g = pair % n_head_kv;
+        const int64_t h0 = group * part / parts, h1 = group * (part + 1) / parts;  // the part's query heads
         const int32_t * longest = cell_list(cells, t0 + nt - 1);  // each token's cells are a prefix of it
         const int32_t   n = longest[0];
         const int32_t * cl = longest + 1;
         for (int64_t j = 0; j < nt; ++j) {
-            memset((float *) ((char *) dst->data + (t0 + j) * dst->nb[2]) + g * group * d, 0, sizeof(float) * (size_t) (group * d));
+            memset((float *) ((char *) dst->data + (t0 + j) * dst->nb[2]) + (g * group + h0) * d, 0,
+                   sizeof(float) * (size_t) ((h1 - h0) * d));
         }
         if (n <= 0) {
             continue;  // no cell to attend (cannot happen for a decoded token: it sees itself)
@@ -243,14 +252,14 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
             for (int64_t j = 0; j < nt; ++j) {
                 const int32_t nj = cell_list(cells, t0 + j)[0] - i0;  // the token's cells in this block
                 const char * qt = (const char *) q->data + (t0 + j) * q->nb[2] + g * group * q->nb[1];
-                for (int64_t h = 0; nj > 0 && h < group; ++h) {
+                for (int64_t h = h0; nj > 0 && h < h1; ++h) {
                     block_scores((const float *) (qt + h * q->nb[1]), buf, nj < nb ? nj : nb, d, dv, scale,
                                  sc + (j * group + h) * n_pad + i0);
                 }
             }
         }
         for (int64_t j = 0; j < nt; ++j) {
-            for (int64_t h = 0; h < group; ++h) {
+            for (int64_t h = h0; h < h1; ++h) {
                 softmax(sc + (j * group + h) * n_pad, cell_list(cells, t0 + j)[0]);
             }
         }
@@ -261,7 +270,7 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
             for (int64_t j = 0; j < nt; ++j) {
                 const int32_t nj = cell_list(cells, t0 + j)[0] - i0;
                 float * out = (float *) ((char *) dst->data + (t0 + j) * dst->nb[2]) + g * group * d;
-                for (int64_t h = 0; nj > 0 && h < group; ++h) {
+                for (int64_t h = h0; nj > 0 && h < h1; ++h) {
                     block_mix(out + h * d, sc + (j * group + h) * n_pad + i0, buf, nj < nb ? nj : nb, d, dv);
                 }
             }

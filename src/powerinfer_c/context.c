@@ -64,10 +64,14 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
     return gf;
 }
 
-// Batch-invariant contexts (the parallel slots) attend with pi_attention; its op runs on
-// the CPU, where the cache is.
+// Flash-attention contexts attend with pi_attention (attention.c) while the cache is on the
+// CPU (no scheduler): batch-invariant by construction, which the parallel slots need, and
+// faster than ggml's flash attention at decode (it reads each K and V row once per head
+// group; Qwen2.5-Coder-1.5B at 40% input sparsity, 2 EPYC cores: the attention's share of
+// a decode step 5.7% -> 3.3%, ggml's barrier waits 6.7% -> 4.4%) and no slower on a
+// 450-token prompt (8.57 against 8.60-8.97 ms per token).
 static bool invariant_attn(const struct powerinfer_context * ctx) {
-    return ctx->params.batch_invariant && ctx->params.flash_attn && !ctx->sched;
+    return ctx->params.flash_attn && !ctx->sched;
 }
 
 // The largest graph of this context: n_batch tokens over the whole cache.
