@@ -41,11 +41,8 @@ UNIT = {"q6_K": 16}  # columns per (a, b); 32 for the others
 pytestmark = pytest.mark.skipif(not DRIVER.exists(), reason="build/bin/test-input-sparse not built (cmake --build build)")
 
 
-def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER, glu=None):
-    """segs: [(type, W float32 [rows, n_in])]; glu: None, or (act, gu float32 [T, 2 * n_in])
-    for the product of h = act(gate) * up formed inside the operator (act 0 SiLU, 1 ReLU).
-    Returns the driver's outputs (with glu, also y_glu, y_glu_alone, y_glu_scalar and
-    kept_glu)."""
+def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER):
+    """segs: [(type, W float32 [rows, n_in])]. Returns the driver's outputs."""
     n_in = x.shape[1]
     T = x.shape[0]
     src = tmp_path / "in.bin"
@@ -58,9 +55,6 @@ def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER, glu=None):
         for _, w in segs:
             f.write(w.astype("<f4").tobytes())
         f.write(x.astype("<f4").tobytes())
-        if glu is not None:
-            f.write(struct.pack("<q", glu[0]))
-            f.write(glu[1].astype("<f4").tobytes())
     subprocess.run([str(driver), str(threads), str(src), str(dst)], check=True, timeout=120)
     raw = dst.read_bytes()
     (n_out,) = struct.unpack_from("<q", raw, 0)
@@ -72,12 +66,6 @@ def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER, glu=None):
         out[name] = np.frombuffer(raw, "<f4", n, off).reshape(shape)
         off += 4 * n
     out["kept"], out["total"] = struct.unpack_from("<2q", raw, off)
-    off += 16
-    if glu is not None:
-        for name in ("y_glu", "y_glu_alone", "y_glu_scalar"):
-            out[name] = np.frombuffer(raw, "<f4", T * n_out, off).reshape(T, n_out)
-            off += 4 * T * n_out
-        out["kept_glu"], _ = struct.unpack_from("<2q", raw, off)
     return out
 
 
@@ -242,43 +230,3 @@ def test_very_long_columns_cut_into_row_pieces_only(tmp_path, driver, rows):
     _check(out, x, tau, 32, ["q4_0", "q8_0"])
     for threads in (1, 5):
         assert np.array_equal(_run(tmp_path, segs, x, tau, threads=threads, driver=driver)["y"], out["y"])
-
-
-@pytest.mark.parametrize("act", [0, 1], ids=["silu", "relu"])
-@pytest.mark.parametrize("wtype", ["q4_K", "q6_K", "q4_1"])
-def test_glu_formed_inside_the_product(tmp_path, wtype, act):
-    """pi_input_sparse_glu: the down projection of h = act(gate) * up, h formed by the
-    operator from the gate+up product. Its h rounds differently from numpy's (the SIMD exp
-    against float64), so it is checked against the float64 product of W with numpy's h over
-    the kept entries, within the input's quantization bound plus the rounding of h (a few
-    float32 ulps of each |w h| term); tau sits in a wide gap of |h|, so the kept set is the
-    same. Each token alone gives the batch's bits; the scalar kernels agree to the same bound."""
-    rng = np.random.default_rng(20 + act + TYPE_IDS[wtype])
-    n_in, T = 512, 3
-    gu = np.concatenate([_inputs(rng, T, n_in), rng.standard_normal((T, n_in)).astype(np.float32)], axis=1)
-    g, u = gu[:, :n_in].astype(np.float64), gu[:, n_in:].astype(np.float64)
-    h64 = (g / (1 + np.exp(-g)) if act == 0 else np.maximum(g, 0)) * u
-    mags = np.sort(np.abs(h64[h64 != 0]))  # (ReLU: h is 0 wherever the gate is not positive)
-    lo = np.searchsorted(mags, np.quantile(mags, 0.35))
-    i = lo + int(np.argmax(np.diff(mags[lo : lo + 201]) / mags[lo + 1 : lo + 201]))  # the widest relative gap
-    tau = float((mags[i] + mags[i + 1]) / 2)
-    h32 = h64.astype(np.float32)
-    w = _weights(rng, 208, n_in)
-    out = _run(tmp_path, [(wtype, w)], h32, tau, glu=(act, gu))
-    _check(out, h32, tau, UNIT.get(wtype, 32), [wtype])
-    keep = np.abs(h64) > tau
-    assert out["kept_glu"] == int(keep.sum())
-    kblocks = wtype in K_QUANTS
-    _, d, _ = _quantize_kept(h32, tau, 256 if kblocks else 32)
-    deq = out["deq"].astype(np.float64)
-    hk = np.where(keep, h64, 0)
-    for t in range(T):
-        plain = (deq * hk[t][None, :]).sum(axis=1)
-        # the input's quantization (half a step per kept entry, the step from the block's
-        # largest kept |h|, which h's rounding moves by ulps: 1% slack), and h's rounding
-        qerr = (np.abs(deq) * (d[t].astype(np.float64) / 2 * keep[t])[None, :]).sum(axis=1) * 1.01
-        herr = (np.abs(deq) * np.abs(hk[t])[None, :]).sum(axis=1) * 8 * EPS32
-        for name in ("y_glu", "y_glu_scalar"):
-            err = np.abs(out[name][t] - plain)
-            assert (err <= qerr + herr).all(), (name, t, float((err - qerr - herr).max()))
-    assert np.array_equal(out["y_glu"], out["y_glu_alone"]), "a token's result depends on the rest of its batch"

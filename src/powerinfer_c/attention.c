@@ -11,7 +11,6 @@
 // converts Q to fp16 and accumulates V in fp16; this reads each K and V row once per head
 // group and only for the token's cells.
 #include "powerinfer-impl.h"
-#include "simd_exp.h"
 
 #include <math.h>
 #include <stdbool.h>
@@ -134,6 +133,25 @@ static void block_mix(float * out, const float * p, const float * buf, int32_t n
 #endif
 }
 
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their maximum): x = k ln2 + r (Cody-Waite), e^r by its
+// Taylor polynomial to r^6 on |r| <= ln2/2 (relative error < 2e-7), times 2^k.
+static inline __m512 exp_nonpos(__m512 x) {
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
 // s[0..n) <- softmax(s), in place, fp32.
 static void softmax(float * s, int32_t n) {
     float m = -INFINITY;
@@ -147,7 +165,7 @@ static void softmax(float * s, int32_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16) ((1u << (n - i)) - 1);
-        const __m512 e = pi_exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+        const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
         _mm512_mask_storeu_ps(s + i, k, e);
         acc = _mm512_mask_add_ps(acc, k, acc, e);
     }

@@ -323,7 +323,7 @@ struct powerinfer_context * powerinfer_context_new(struct powerinfer_model * mod
     const int32_t n_threads_max = params.n_threads > params.n_threads_batch ? params.n_threads : params.n_threads_batch;
     for (int32_t k = 0; ctx->inputs && ctx->input_ops && k < pi_n_inputs(model); ++k) {
         ctx->inputs[k].threshold = pi_input_tau(model, k);
-        ctx->input_ops[k] = (struct pi_input_op) { .cm = pi_input_cm(model, k), .stat = &ctx->inputs[k], .n_threads = n_threads_max };
+        ctx->input_ops[k] = (struct pi_input_op) { pi_input_cm(model, k), &ctx->inputs[k], n_threads_max, { 0 } };
         if (params.collect_activations) {  // |x| of every matrix's input (powerinfer sparsify)
             ctx->inputs[k].hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
             hist_ok &= ctx->inputs[k].hist != NULL;

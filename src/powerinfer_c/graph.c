@@ -81,19 +81,6 @@ static struct ggml_tensor * input_sparse(struct ggml_context * ctx, const struct
     return pi_input_sparse_matmul(ctx, op, x);
 }
 
-// The input-sparse down projection of h = act(gate) * up, formed inside the product from the
-// gate+up product gu (pi_input_sparse_glu), when this step takes the down input sparse and
-// the activation is one the product forms (SiLU, ReLU); NULL otherwise.
-static struct ggml_tensor * input_sparse_glu(struct ggml_context * ctx, const struct powerinfer_model * model,
-                                             const struct pi_graph_params * gp, int il, struct ggml_tensor * gu,
-                                             enum pi_ffn_act act) {
-    struct pi_input_op * op = &gp->input_ops[il * POWERINFER_INPUT_COUNT + POWERINFER_INPUT_DOWN];
-    if (!input_step(model, gp) || op->cm->n_segs == 0 || (act != PI_ACT_SILU && act != PI_ACT_RELU)) {
-        return NULL;
-    }
-    return pi_input_sparse_glu(ctx, op, gu, act);
-}
-
 // Calibration (collect_activations): adds |x| of input i of layer il to its histogram.
 static void input_histogram(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct pi_graph_params * gp, int il, int i,
                             struct ggml_tensor * x) {
@@ -253,10 +240,6 @@ static struct ggml_tensor * build_ffn_input(struct ggml_context * ctx, const str
     const enum pi_ffn_act act = model->hp.ffn_act;
     const int64_t n_ff = model->hp.n_ff;
     struct ggml_tensor * gu = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_FFN, x);
-    struct ggml_tensor * down = gu && l->ffn_gate ? input_sparse_glu(ctx, model, gp, il, gu, act) : NULL;
-    if (down) {
-        return down;
-    }
     struct ggml_tensor * h;
     if (gu && l->ffn_gate && act != PI_ACT_DRELU) {
         // gate's rows, then up's, per token: ggml's fused GLU takes the halves of each row
@@ -268,7 +251,7 @@ static struct ggml_tensor * build_ffn_input(struct ggml_context * ctx, const str
         struct ggml_tensor * gate = l->ffn_gate ? packed_or_mul(ctx, model, l->ffn_gate, l->ffn_gate_p, x) : NULL;
         h = build_glu(ctx, act, gate, up);
     }
-    down = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_DOWN, h);
+    struct ggml_tensor * down = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_DOWN, h);
     return down ? down : packed_or_mul(ctx, model, l->ffn_down, l->ffn_down_p, h);
 }
 

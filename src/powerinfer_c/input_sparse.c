@@ -4,7 +4,6 @@
 // whole tiles of output rows, and a row's sum runs over the chunks in column order, so
 // results depend neither on the thread count nor on the rest of the batch.
 #include "input_sparse.h"
-#include "simd_exp.h"
 
 #include "ggml-cpu.h"
 
@@ -1081,39 +1080,6 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
 static bool g_force_scalar = false;
 void pi_colmat_force_scalar(bool on) { g_force_scalar = on; }
 
-// h[t][j] = act(gate) * up for columns [j0, j1) of every token, gate and up the halves of
-// gu's row t (pi_input_sparse_glu). SiLU: gate * sigmoid(gate), sigmoid from e^-|gate|.
-static void glu_columns(enum pi_ffn_act act, const struct ggml_tensor * gu, float * h, int64_t n_in, int64_t j0, int64_t j1) {
-    for (int64_t t = 0; t < gu->ne[1]; ++t) {
-        const float * g = (const float *) ((const char *) gu->data + t * gu->nb[1]);
-        const float * u = g + n_in;
-        float * ht = h + t * n_in;
-        int64_t j = j0;
-#ifdef PI_CM_VNNI
-        if (!g_force_scalar) {
-            const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-            for (; j + 16 <= j1; j += 16) {
-                const __m512 gv = _mm512_loadu_ps(g + j), uv = _mm512_loadu_ps(u + j);
-                __m512 a;
-                if (act == PI_ACT_SILU) {
-                    const __m512 e = pi_exp_nonpos(_mm512_sub_ps(zero, _mm512_abs_ps(gv)));  // e^-|g|
-                    const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));              // sigmoid(|g|)
-                    const __mmask16 neg = _mm512_cmp_ps_mask(gv, zero, _CMP_LT_OQ);          // sigmoid(g) = e * r there
-                    a = _mm512_mul_ps(gv, _mm512_mask_mul_ps(r, neg, r, e));
-                } else {
-                    a = _mm512_max_ps(gv, zero);
-                }
-                _mm512_storeu_ps(ht + j, _mm512_mul_ps(a, uv));
-            }
-        }
-#endif
-        for (; j < j1; ++j) {
-            const float a = act == PI_ACT_SILU ? g[j] / (1.0f + expf(-g[j])) : (g[j] > 0.0f ? g[j] : 0.0f);
-            ht[j] = a * u[j];
-        }
-    }
-}
-
 static inline void cpu_relax(void) {
 #if defined(__SSE2__)
     _mm_pause();
@@ -1225,12 +1191,12 @@ static void piece_order(const struct pi_colmat * cm, const struct prep_view * pv
 // sum of the partials then starts from it, and with one column piece (an LM head's row
 // pieces) there is no sum and no barrier before it.
 struct op_layout {
-    size_t  prep, parts, scratch, h, total;  // h: pi_input_sparse_glu's [T][n_in], else total
+    size_t  prep, parts, scratch, total;
     int64_t slots;
     bool    y_plane;  // y is column piece 0's plane; parts holds pieces 1 ..
 };
 
-static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads, bool glu) {
+static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_t n_threads) {
     const size_t align = 16, plane = (size_t) (cm->n_pad * T);
     const struct piece_grid G = grid_of(cm, n_threads);
     struct op_layout L;
@@ -1239,8 +1205,7 @@ static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_
     L.parts   = L.prep + ((size_t) (cm->n_in / cm->chunk * rec_len(cm->chunk, T)) + align - 1) / align * align;
     L.y_plane = cm->n_pad == cm->n_out;
     L.scratch = L.parts + (size_t) (G.n_col - L.y_plane) * plane;
-    L.h       = L.scratch + 2 * (size_t) L.slots * plane;
-    L.total   = L.h + (glu ? (size_t) (cm->n_in * T) : 0);
+    L.total   = L.scratch + 2 * (size_t) L.slots * plane;
     return L;
 }
 
@@ -1259,21 +1224,12 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     const struct ggml_tensor * x = dst->src[0];
     const struct piece_grid G = grid_of(cm, op->n_threads);
     const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = G.n_col * G.n_row, n_pad = cm->n_pad;
-    const struct op_layout L = layout_of(cm, T, op->n_threads, op->glu);
+    const struct op_layout L = layout_of(cm, T, op->n_threads);
     float * y = (float *) dst->data;
     const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
 
-    const int64_t n_blocks = cm->n_in / cm->xblock, b0 = n_blocks * ith / nth, b1 = n_blocks * (ith + 1) / nth;
-    struct ggml_tensor h;  // the GLU's output: only its data, ne[1] and nb[1] are read
-    if (op->glu) {
-        h = *x;
-        h.data  = (float *) dst->data + L.h;
-        h.ne[0] = cm->n_in;
-        h.nb[1] = (size_t) cm->n_in * sizeof(float);
-        glu_columns(op->act, x, (float *) h.data, cm->n_in, b0 * cm->xblock, b1 * cm->xblock);
-        x = &h;
-    }
-    const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, b0, b1);
+    const int64_t n_blocks = cm->n_in / cm->xblock;
+    const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, n_blocks * ith / nth, n_blocks * (ith + 1) / nth);
     __atomic_fetch_add(&op->stat->n_active, kept, __ATOMIC_RELAXED);
     if (ith == 0) {
         __atomic_fetch_add(&op->stat->n_total, cm->n_in * T, __ATOMIC_RELAXED);
@@ -1327,28 +1283,14 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     }
 }
 
-static struct ggml_tensor * input_node(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x) {
+struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x) {
     const struct pi_colmat * cm = op->cm;
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && x->ne[0] == (op->glu ? 2 : 1) * cm->n_in && x->nb[0] == sizeof(float) &&
-                x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && x->ne[0] == cm->n_in && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= PI_COLMAT_MAX_TOKENS);
     const int64_t T = x->ne[1];
     struct ggml_tensor * xa[1] = { x };
     GGML_ASSERT(op->n_threads >= 1);
-    struct ggml_tensor * all = ggml_custom_4d(ctx, GGML_TYPE_F32, (int64_t) layout_of(cm, T, op->n_threads, op->glu).total, 1, 1,
-                                              1, xa, 1, input_op, GGML_N_TASKS_MAX, op);
+    struct ggml_tensor * all = ggml_custom_4d(ctx, GGML_TYPE_F32, (int64_t) layout_of(cm, T, op->n_threads).total, 1, 1, 1, xa,
+                                              1, input_op, GGML_N_TASKS_MAX, op);
     return ggml_view_2d(ctx, all, cm->n_out, T, (size_t) cm->n_out * sizeof(float), 0);
-}
-
-struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x) {
-    op->glu = false;
-    return input_node(ctx, op, x);
-}
-
-struct ggml_tensor * pi_input_sparse_glu(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * gu,
-                                         enum pi_ffn_act act) {
-    GGML_ASSERT(act == PI_ACT_SILU || act == PI_ACT_RELU);
-    op->glu = true;
-    op->act = act;
-    return input_node(ctx, op, gu);
 }

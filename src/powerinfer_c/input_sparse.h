@@ -93,8 +93,6 @@ struct pi_input_op {
     struct pi_active_stat *  stat;  // threshold, and the kept / considered counters
     int32_t                  n_threads; // the most threads a graph will run the operator with (its scratch per thread)
     int32_t                  sync[3]; // the operator's own: barrier count and generation, piece counter (start at 0)
-    bool                     glu;     // set by pi_input_sparse_glu: the input is gate and up, h formed inside
-    enum pi_ffn_act          act;     // the GLU's activation (glu only)
 };
 
 // The input-sparse product. x: F32 [n_in, T], T <= PI_COLMAT_MAX_TOKENS. Entry j of token t
@@ -105,11 +103,3 @@ struct pi_input_op {
 // stat->n_active / n_total count kept and considered entries per token.
 // One graph node (a view of it), run by every thread of the pool.
 struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x);
-
-// The input-sparse product of h = act(gate) * up (act: PI_ACT_SILU or PI_ACT_RELU), gate and
-// up the halves of gu's rows (F32 [2 * n_in, T], the gate+up group's product): the operator
-// forms h itself, each thread the quantization blocks it prepares, so the graph has no GLU
-// node, which ran on one thread while the others waited, and whose output the other
-// threads then read from its cache. Otherwise as pi_input_sparse_matmul on h.
-struct ggml_tensor * pi_input_sparse_glu(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * gu,
-                                         enum pi_ffn_act act);

@@ -124,7 +124,7 @@ int main(int argc, char ** argv) {
             stats[si] = (struct pi_active_stat) { .threshold = sparsities[si] > 0 ? sorted[(int) (sparsities[si] * g->n_in)] : 0.0f };
             gfs[1 + si] = ggml_new_graph(ctx);
             for (int c = 0; c < n_copies; ++c) {
-                ops[si][c] = (struct pi_input_op) { .cm = &cm[c], .stat = &stats[si], .n_threads = nth };
+                ops[si][c] = (struct pi_input_op) { &cm[c], &stats[si], nth, { 0 } };
                 ggml_build_forward_expand(gfs[1 + si], pi_input_sparse_matmul(ctx, &ops[si][c], x));
             }
         }

@@ -10,9 +10,6 @@
 //        f32 y [T][n_out] (the batch); f32 y_alone [T][n_out] (each token alone);
 //        f32 y_scalar [T][n_out] (the batch through the scalar kernels);
 //        int64 kept, total (the operator's counters after the batch)
-//   Optionally IN goes on with int64 act (0 SiLU, 1 ReLU) and f32 gu[T][2 * n_in] (gate, then
-//   up, per token); OUT then goes on with the product of h = act(gate) * up formed inside the
-//   operator (pi_input_sparse_glu): f32 y [T][n_out], y_alone, y_scalar; int64 kept, total.
 #include "input_sparse.h"
 
 #include "ggml-cpu.h"
@@ -29,19 +26,16 @@ static int die(const char * msg) {
 
 static bool read_all(FILE * f, void * dst, size_t n) { return fread(dst, 1, n, f) == n; }
 
-// Runs the product of x (T tokens) and writes y [T][n_out] to out. act >= 0: x is gu
-// [T][2 * n_in] and the operator forms h = act(gate) * up (pi_input_sparse_glu).
+// Runs the product of x (T tokens starting at token t0) and writes y [T][n_out] to out.
 static void run(const struct pi_colmat * cm, const float * x, int64_t T, int n_threads, struct pi_active_stat * stat,
-                float * out, int act) {
-    const int64_t n_x = act >= 0 ? 2 * cm->n_in : cm->n_in;
-    struct ggml_init_params ip = { .mem_size = 16 * 1024 * 1024 + (size_t) 8 * T * (n_x + cm->n_in + cm->n_out) * 4,
+                float * out) {
+    struct ggml_init_params ip = { .mem_size = 16 * 1024 * 1024 + (size_t) 8 * T * (cm->n_in + cm->n_out) * 4,
                                    .mem_buffer = NULL, .no_alloc = false };
     struct ggml_context * ctx = ggml_init(ip);
-    struct ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_x, T);
+    struct ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, cm->n_in, T);
     memcpy(tx->data, x, ggml_nbytes(tx));
-    struct pi_input_op op = { .cm = cm, .stat = stat, .n_threads = n_threads };
-    struct ggml_tensor * y = act >= 0 ? pi_input_sparse_glu(ctx, &op, tx, act == 0 ? PI_ACT_SILU : PI_ACT_RELU)
-                                      : pi_input_sparse_matmul(ctx, &op, tx);
+    struct pi_input_op op = { cm, stat, n_threads, { 0 } };
+    struct ggml_tensor * y = pi_input_sparse_matmul(ctx, &op, tx);
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
     ggml_graph_compute_with_ctx(ctx, gf, n_threads);
@@ -93,12 +87,6 @@ int main(int argc, char ** argv) {
     }
     float * x = malloc(sizeof(float) * (size_t) (T * n_in));
     if (!x || !read_all(in, x, sizeof(float) * (size_t) (T * n_in))) return die("short input");
-    int64_t act = -1;
-    float * gu = NULL;
-    if (read_all(in, &act, sizeof(act))) {
-        gu = malloc(sizeof(float) * (size_t) (2 * T * n_in));
-        if (!gu || (act != 0 && act != 1) || !read_all(in, gu, sizeof(float) * (size_t) (2 * T * n_in))) return die("bad GLU input");
-    }
     fclose(in);
 
     struct pi_colmat cm;
@@ -124,30 +112,24 @@ int main(int argc, char ** argv) {
 
     float * y = malloc(sizeof(float) * (size_t) (T * n_out));
     if (!y) return die("out of memory");
-    // the batch, each token alone, the batch through the scalar kernels; then the counters
-    for (int glu = 0; glu <= (gu != NULL); ++glu) {
-        const float * src = glu ? gu : x;
-        const int64_t n_x = glu ? 2 * n_in : n_in;
-        const int a = glu ? (int) act : -1;
-        struct pi_active_stat stat = { .threshold = tau };
-        run(&cm, src, T, n_threads, &stat, y, a);
-        fwrite(y, sizeof(float), (size_t) (T * n_out), out);
-        const int64_t counts[2] = { stat.n_active, stat.n_total };
-        for (int64_t t = 0; t < T; ++t) {
-            struct pi_active_stat s1 = { .threshold = tau };
-            run(&cm, src + t * n_x, 1, n_threads, &s1, y + t * n_out, a);
-        }
-        fwrite(y, sizeof(float), (size_t) (T * n_out), out);
-        pi_colmat_force_scalar(true);
-        struct pi_active_stat s2 = { .threshold = tau };
-        run(&cm, src, T, n_threads, &s2, y, a);
-        pi_colmat_force_scalar(false);
-        fwrite(y, sizeof(float), (size_t) (T * n_out), out);
-        fwrite(counts, sizeof(int64_t), 2, out);
+    struct pi_active_stat stat = { .threshold = tau };
+    run(&cm, x, T, n_threads, &stat, y);
+    fwrite(y, sizeof(float), (size_t) (T * n_out), out);
+    const int64_t counts[2] = { stat.n_active, stat.n_total };
+    for (int64_t t = 0; t < T; ++t) {
+        struct pi_active_stat s1 = { .threshold = tau };
+        run(&cm, x + t * n_in, 1, n_threads, &s1, y + t * n_out);
     }
+    fwrite(y, sizeof(float), (size_t) (T * n_out), out);
+    pi_colmat_force_scalar(true);
+    struct pi_active_stat s2 = { .threshold = tau };
+    run(&cm, x, T, n_threads, &s2, y);
+    pi_colmat_force_scalar(false);
+    fwrite(y, sizeof(float), (size_t) (T * n_out), out);
+    fwrite(counts, sizeof(int64_t), 2, out);
     fclose(out);
     munmap(mem, bytes);
-    free(deq); free(buf); free(x); free(gu); free(rw); free(ra); free(rb); free(y);
+    free(deq); free(buf); free(x); free(rw); free(ra); free(rb); free(y);
     ggml_free(ctx);
     return 0;
 }
