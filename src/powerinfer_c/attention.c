@@ -229,7 +229,11 @@ static void attention_op(struct ggml_tensor * dst, int ith, int nth, void * user
     // than threads (a decode step of a model with few KV heads) each group is cut into parts
     // of its query heads; a head's operations are the same in any part, so its result is too.
     const int64_t pairs = n_tiles * n_head_kv;
-    const int64_t parts = pairs >= nth ? 1 : (nth + pairs - 1) / pairs < group ? (nth + pairs - 1) / pairs : group;
+    int64_t parts = 1;
+    if (pairs < nth) {
+        parts = (nth + pairs - 1) / pairs;
+        parts = parts < group ? parts : group;
+    }
     for (int64_t w = ith; w < pairs * parts; w += nth) {
         const int64_t pair = w / parts, part = w % parts;
         const int64_t t0 = tile[pair / n_head_kv], nt = tile[pair / n_head_kv + 1] - t0, g = pair % n_head_kv;

@@ -70,7 +70,7 @@ static struct ggml_cgraph * build_chunk(struct powerinfer_context * ctx, const s
 // group; Qwen2.5-Coder-1.5B at 40% input sparsity, 2 EPYC cores: the attention's share of
 // a decode step 5.7% -> 3.3%, ggml's barrier waits 6.7% -> 4.4%) and no slower on a
 // 450-token prompt (8.57 against 8.60-8.97 ms per token).
-static bool invariant_attn(const struct powerinfer_context * ctx) {
+static bool use_pi_attention(const struct powerinfer_context * ctx) {
     return ctx->params.flash_attn && !ctx->sched;
 }
 
@@ -81,7 +81,7 @@ static struct ggml_cgraph * build_reserve_graph(struct powerinfer_context * ctx)
         .n_kv       = (int32_t) ctx->kv.size,
         .n_outputs  = (int32_t) ctx->params.n_batch,
         .flash_attn = ctx->params.flash_attn,
-        .invariant_attn = invariant_attn(ctx),
+        .pi_attn = use_pi_attention(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .inputs     = ctx->inputs,
@@ -648,7 +648,7 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
         .n_kv       = (int32_t) (pad < ctx->kv.size ? pad : ctx->kv.size),
         .n_outputs  = n_outputs,
         .flash_attn = ctx->params.flash_attn,
-        .invariant_attn = invariant_attn(ctx),
+        .pi_attn = use_pi_attention(ctx),
         .sparse_max_batch = ctx->params.sparse_max_batch,
         .sparse     = ctx->sparse,
         .inputs     = ctx->inputs,

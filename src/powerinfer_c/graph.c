@@ -337,7 +337,7 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
     struct ggml_tensor * kq_mask = in->kq_mask;
 
     const float kq_scale = 1.0f / sqrtf((float) head);
-    if (gp->invariant_attn) {
+    if (gp->pi_attn) {
         return ggml_reshape_2d(ctx, pi_attention(ctx, q, kc, vc, in->kv_cells, hp->n_head_kv, kq_scale),
                                head * hp->n_head, n_tokens);
     }
@@ -389,7 +389,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     ggml_set_name(in->pos, "inp_pos");
     ggml_set_input(in->pos);
     in->kq_mask = in->kv_cells = NULL;
-    if (gp->invariant_attn) {
+    if (gp->pi_attn) {
         in->kv_cells = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1 + gp->n_kv, n_tokens);
         ggml_set_name(in->kv_cells, "inp_kv_cells");
         ggml_set_input(in->kv_cells);

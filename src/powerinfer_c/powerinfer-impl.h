@@ -429,7 +429,7 @@ struct pi_graph_params {
     int32_t n_kv;       // cache cells attended (>= pos0 + n_tokens, padded; extra cells masked)
     int32_t n_outputs;  // rows with logits: 1..n_tokens
     bool    flash_attn;
-    bool    invariant_attn;  // pi_attention (attention.c) instead of ggml's flash attention (CPU cache)
+    bool    pi_attn;     // pi_attention (attention.c) instead of ggml's flash attention (CPU cache)
     int32_t sparse_max_batch;       // batches up to this size take the sparse FFN path
     struct pi_active_stat * sparse; // per layer: thresholds and active-neuron counters
     struct pi_active_stat * inputs; // per layer and input: input mode's thresholds and counters (and calibration histograms)
