@@ -89,12 +89,11 @@ def _dense_bytes(path: str) -> float:
 
 
 # Per ggml block type: (bytes of a block in the file, of its quants, of the scales the column
-# copy keeps for it). The copy keeps the quants and, per row and block, the scales unpacked
-# (input_sparse.c: K-quants' 6-bit sc and mins as bytes, so Q4_K / Q5_K 20 bytes where the
-# file packs 16), and reads a block's scales whenever any of its columns is kept: at these
-# sparsities, nearly always.
+# copy keeps for it). The copy keeps the quants and, per row and block, the file's scales (K-
+# quants' 6-bit sc and mins packed as in the file, input_sparse.c), and reads a block's scales
+# whenever any of its columns is kept: at these sparsities, nearly always.
 _COLUMN_BLOCKS = {"Q4_0": (18, 16, 2), "Q4_1": (20, 16, 4), "Q5_0": (22, 20, 2), "Q5_1": (24, 20, 4),
-                  "Q8_0": (34, 32, 2), "Q4_K": (144, 128, 20), "Q5_K": (176, 160, 20), "Q6_K": (210, 192, 18)}
+                  "Q8_0": (34, 32, 2), "Q4_K": (144, 128, 16), "Q5_K": (176, 160, 16), "Q6_K": (210, 192, 18)}
 
 
 def _column_bytes(path: str, n_layer: int) -> tuple:

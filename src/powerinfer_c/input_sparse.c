@@ -161,9 +161,39 @@ static bool seg_kind(enum ggml_type type, struct pi_colmat_seg * s) {
 // Bytes of one segment's scale arrays (rows padded to tiles), and where each starts.
 struct scale_sizes { size_t d, m, sc, mins; };
 
-// K's minimums are stored per super-block and row, the 8 of a row together: index of
-// sub-block s (32 columns) of row `row` (rows: the segment's padded rows).
-static inline size_t min_index(size_t rows, int64_t s, int64_t row) { return ((size_t) (s / 8) * rows + (size_t) row) * 8 + (size_t) (s % 8); }
+// K-quants' 6-bit scales and minimums stay 6 bits, as in the file (bytes would read 20
+// bytes a row and super-block where the file has 16: 2.7% more of a Q4_K matrix, read at
+// every step whatever the sparsity). A group of them is a little-endian bit stream, value i
+// at bits 6i .. 6i + 5:
+//   sc:   per sub-block (32 columns), the rows in groups of 16: 12 bytes a group;
+//   mins: per super-block and row, the row's 8 minimums: 6 bytes.
+// The SIMD kernels load 16 (sc) or 64 (mins) bytes at a group's start, so each array has
+// PI_CM_K6_SLACK bytes after it.
+#define PI_CM_K6_SLACK 64
+
+static inline uint8_t get6(const uint8_t * p, int i) {
+    const int bit = 6 * i, b = bit / 8, sh = bit % 8;
+    unsigned v = (unsigned) p[b] >> sh;
+    if (sh > 2) v |= (unsigned) p[b + 1] << (8 - sh);
+    return (uint8_t) (v & 63);
+}
+
+// Writes value i of a group; touches only the bytes that hold its bits (threads fill
+// neighbouring groups at once).
+static inline void put6(uint8_t * p, int i, uint8_t v) {
+    const int bit = 6 * i, b = bit / 8, sh = bit % 8;
+    p[b] = (uint8_t) ((p[b] & ~(63u << sh)) | ((unsigned) v << sh));
+    if (sh > 2) p[b + 1] = (uint8_t) ((p[b + 1] & ~(63u >> (8 - sh))) | ((unsigned) v >> (8 - sh)));
+}
+
+// Where row `row`'s scale of sub-block sub sits (rows: the segment's padded rows): its
+// group of 16 rows, and its value in the group.
+static inline size_t sc_group(size_t rows, int64_t sub, int64_t row) { return (size_t) sub * (rows / 16 * 12) + (size_t) (row / 16) * 12; }
+// The 8 minimums of row `row` in super-block sb.
+static inline size_t min_group(size_t rows, int64_t sb, int64_t row) { return ((size_t) sb * rows + (size_t) row) * 6; }
+
+static inline uint8_t k_sc(const uint8_t * sc, size_t rows, int64_t sub, int64_t row) { return get6(sc + sc_group(rows, sub, row), (int) (row % 16)); }
+static inline uint8_t k_min(const uint8_t * mins, size_t rows, int64_t sub, int64_t row) { return get6(mins + min_group(rows, sub / 8, row), (int) (sub % 8)); }
 
 static struct scale_sizes scale_sizes(const struct pi_colmat_seg * s, int64_t n_in) {
     const size_t rows = (size_t) s->n_tiles * TILE;
@@ -171,7 +201,11 @@ static struct scale_sizes scale_sizes(const struct pi_colmat_seg * s, int64_t n_
     switch (s->scales) {
         case PI_CM_D:  z.d = rows * (size_t) (n_in / QK) * 2; break;
         case PI_CM_DM: z.d = z.m = rows * (size_t) (n_in / QK) * 2; break;
-        case PI_CM_K:  z.d = z.m = rows * (size_t) (n_in / QK_K) * 2; z.sc = z.mins = rows * (size_t) (n_in / QK); break;
+        case PI_CM_K:
+            z.d = z.m = rows * (size_t) (n_in / QK_K) * 2;
+            z.sc   = rows / 16 * 12 * (size_t) (n_in / QK) + PI_CM_K6_SLACK;
+            z.mins = rows * 6 * (size_t) (n_in / QK_K) + PI_CM_K6_SLACK;
+            break;
         case PI_CM_6K: z.d = rows * (size_t) (n_in / QK_K) * 2; z.sc = rows * (size_t) (n_in / 16); break;
     }
     return z;
@@ -253,8 +287,10 @@ static void fill_scales(const struct pi_colmat_seg * s, const void * src_row, in
                 d[(size_t) sb * rows + row] = q4 ? x4->d : x5->d;
                 m[(size_t) sb * rows + row] = q4 ? x4->dmin : x5->dmin;
                 for (int j = 0; j < 8; ++j) {
-                    k_scale_min(q4 ? x4->scales : x5->scales, j, &sc[(size_t) (sb * 8 + j) * rows + row],
-                                &mins[min_index(rows, sb * 8 + j, row)]);
+                    uint8_t scj, mj;
+                    k_scale_min(q4 ? x4->scales : x5->scales, j, &scj, &mj);
+                    put6(sc + sc_group(rows, sb * 8 + j, row), (int) (row % 16), scj);
+                    put6(mins + min_group(rows, sb, row), j, mj);
                 }
             }
             break;
@@ -598,8 +634,8 @@ static inline void seg_ab(const struct pi_colmat_seg * s, int64_t row, int64_t j
             *b = ggml_fp16_to_fp32(s->m[(size_t) (j / QK) * rows + row]);
             break;
         case PI_CM_K:
-            *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) s->sc[(size_t) (j / QK) * rows + row];
-            *b = -(ggml_fp16_to_fp32(s->m[(size_t) (j / QK_K) * rows + row]) * (float) s->mins[min_index(rows, j / QK, row)]);
+            *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) k_sc(s->sc, rows, j / QK, row);
+            *b = -(ggml_fp16_to_fp32(s->m[(size_t) (j / QK_K) * rows + row]) * (float) k_min(s->mins, rows, j / QK, row));
             break;
         default:  // PI_CM_6K
             *a = ggml_fp16_to_fp32(s->d[(size_t) (j / QK_K) * rows + row]) * (float) (int8_t) s->sc[(size_t) (j / 16) * rows + row];
@@ -703,7 +739,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
                             float * yp = &pb.y[t * n_pad + s->pad0 + r];
                             *yp = fmaf(b, v.sx[t], fmaf(a, v.dx[t] * (float) acc, *yp));
                         } else {
-                            const int32_t sc = s->scales == PI_CM_K ? (int32_t) s->sc[(size_t) (j / QK) * rows + r]
+                            const int32_t sc = s->scales == PI_CM_K ? (int32_t) k_sc(s->sc, rows, j / QK, r)
                                                                     : (int32_t) (int8_t) s->sc[(size_t) (j / 16) * rows + r];
                             pb.t[t * n_pad + s->pad0 + r] += sc * acc;
                         }
@@ -721,7 +757,7 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
                     int32_t off = 0;  // the offsets' share: sum over the super-block's chunks of m * s8 or 32 * sc * s8
                     for (int64_t c = c0; c < c0 + per; ++c) {
                         const int32_t s8 = chunk_at(prep, c, C, T).s8[t];
-                        off += s->scales == PI_CM_K ? (int32_t) s->mins[min_index(rows, c * C / QK, r)] * s8
+                        off += s->scales == PI_CM_K ? (int32_t) k_min(s->mins, rows, c * C / QK, r) * s8
                                                     : 32 * (int32_t) (int8_t) s->sc[(size_t) (c * C / 16) * rows + r] * s8;
                     }
                     float * yp = &pb.y[t * n_pad + s->pad0 + r];
@@ -775,9 +811,39 @@ static inline __attribute__((always_inline)) void half_w(const uint8_t * const *
     w[3] = _mm512_unpackhi_epi16(a1, b1);
 }
 
-// The per-chunk scales of column j's sub-block (K: per 32 columns; 6K: int8 per 16), one per row.
+// The per-chunk scales of column j's sub-block (K: 6-bit per 32 columns; 6K: int8 per 16).
 static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) {
-    return s->sc + (size_t) (s->scales == PI_CM_6K ? j / 16 : j / QK) * (size_t) (s->n_tiles * TILE);
+    const size_t rows = (size_t) (s->n_tiles * TILE);
+    return s->sc + (s->scales == PI_CM_6K ? (size_t) (j / 16) * rows : sc_group(rows, j / QK, 0));
+}
+
+// Bytes of the scales of rows [0, r) of a chunk (r a multiple of 16) from seg_sc's pointer.
+static inline size_t sc_rows_bytes(bool six, int64_t r) { return six ? (size_t) r : (size_t) r / 16 * 12; }
+
+// A group of 16 rows' 6-bit scales (12 bytes at p) as 16 int32. Word i takes the two bytes
+// that hold bits 6i .. 6i + 5 and shifts them down (AVX512BW: any AVX-512 CPU that runs
+// these kernels).
+static inline __m512i k_sc16(const uint8_t * p) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
+    const __m256i at = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 2, 3, 3, 4, 3, 4, 4, 5, 5, 6,  // words 0-7 from bytes 0-5
+                                        6, 7, 6, 7, 7, 8, 8, 9, 9, 10, 9, 10, 10, 11, 11, 12);
+    const __m256i sh = _mm256_setr_epi16(0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2);
+    const __m256i w = _mm256_and_si256(_mm256_srlv_epi16(_mm256_shuffle_epi8(b, at), sh), _mm256_set1_epi16(63));
+    return _mm512_cvtepu16_epi32(w);
+}
+
+// Eight rows' 6-bit minimums (6 bytes a row from p) as bytes, row i's 8 in 64-bit lane i:
+// each row's 48 bits moved to its lane (vpermw), then spread from 6-bit to 8-bit fields in
+// three halvings (24 -> 32, 12 -> 16, 6 -> 8 bits apart), each a shift and a bit select.
+static inline __m512i k_min8(const uint8_t * p) {
+    static const uint16_t at[32] = { 0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 0, 9, 10, 11, 0,
+                                     12, 13, 14, 0, 15, 16, 17, 0, 18, 19, 20, 0, 21, 22, 23, 0 };
+    __m512i v = _mm512_permutexvar_epi16(_mm512_loadu_si512(at), _mm512_loadu_si512(p));
+    // (mask ? a : b) is ternary logic 0xCA on (mask, a, b)
+    v = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0x00FFFFFF00000000LL), _mm512_slli_epi64(v, 8), v, 0xCA);
+    v = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0x0FFF00000FFF0000LL), _mm512_slli_epi64(v, 4), v, 0xCA);
+    v = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0x3F003F003F003F00LL), _mm512_slli_epi64(v, 2), v, 0xCA);
+    return _mm512_and_si512(v, _mm512_set1_epi8(63));
 }
 
 // Groups of 4 columns per pass over acc, at most: one pass covers a Q6_K chunk of 16, half
@@ -798,9 +864,9 @@ static inline __attribute__((always_inline)) void put_sums(__m512i v, int32_t * 
         _mm512_storeu_si512(a, v);
         return;
     }
-    const __m128i raw = _mm_loadu_si128((const __m128i *) (scp + r));
     if (six) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * s8[t]));
-    const __m512i pv = _mm512_mullo_epi32(six ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw), v);
+    const __m512i sc = six ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (scp + r))) : k_sc16(scp + r / 16 * 12);
+    const __m512i pv = _mm512_mullo_epi32(sc, v);
     _mm512_storeu_si512(tsum + i, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tsum + i), pv));
 }
 
@@ -846,7 +912,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
             // the per-chunk scales (K: per 32 columns; 6K: per 16) of the chunk whose columns
             // these are, for the fold at that chunk's last pass
             if (n > 0 && s->sc) {
-                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (size_t) tp * TILE;
+                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + sc_rows_bytes(six, tp * TILE);
                 _mm_prefetch((const char *) sp, _MM_HINT_T1);
                 _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
             }
@@ -936,9 +1002,9 @@ static void fold_float(const struct pi_colmat * cm, const struct chunk_view * v,
                 case PI_CM_K: {
                     const __m512 d  = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->d + (size_t) (j / QK_K) * rows + r)));
                     const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (s->m + (size_t) (j / QK_K) * rows + r)));
-                    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (s->sc + (size_t) (j / QK) * rows + r)))));
+                    a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k_sc16(s->sc + sc_group(rows, j / QK, r))));
                     uint8_t mn[16];  // a K-quant beside 32-block types (rare): its minimums gathered
-                    for (int i = 0; i < 16; ++i) mn[i] = s->mins[min_index(rows, j / QK, r + i)];
+                    for (int i = 0; i < 16; ++i) mn[i] = k_min(s->mins, rows, j / QK, r + i);
                     b = _mm512_sub_ps(_mm512_setzero_ps(),
                                       _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) mn)))));
                     break;
@@ -1002,8 +1068,8 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                     if (mins) _mm_prefetch((const char *) (s->m + (size_t) u * rows + ra), _MM_HINT_T0);
                 }
                 if (mins) {
-                    _mm_prefetch((const char *) (s->mins + min_index(rows, u * 8, ra)), _MM_HINT_T0);
-                    _mm_prefetch((const char *) (s->mins + min_index(rows, u * 8, ra + 8)), _MM_HINT_T0);
+                    _mm_prefetch((const char *) (s->mins + min_group(rows, u, ra)), _MM_HINT_T0);
+                    _mm_prefetch((const char *) (s->mins + min_group(rows, u, ra + 8)), _MM_HINT_T0);
                 }
             }
 #endif
@@ -1012,8 +1078,8 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                                    : _mm512_setzero_ps();
             __m512i m0 = _mm512_setzero_si512(), m1 = m0;
             if (mins) {
-                m0 = _mm512_loadu_si512(s->mins + min_index(rows, u * 8, r));      // rows r .. r + 7
-                m1 = _mm512_loadu_si512(s->mins + min_index(rows, u * 8, r + 8));  // rows r + 8 .. r + 15
+                m0 = k_min8(s->mins + min_group(rows, u, r));      // rows r .. r + 7
+                m1 = k_min8(s->mins + min_group(rows, u, r + 8));  // rows r + 8 .. r + 15
             }
             for (int64_t t = 0; t < T; ++t) {
                 const int64_t i = t * n_pad + s->pad0 + r;

@@ -44,11 +44,12 @@ struct pi_colmat_seg {
     size_t                 col_off;  // byte offset of this segment's part of a column
     size_t                 rec;      // bytes of one tile of one column: lo + hi
     size_t                 lo, hi;   // of its low plane (nibbles, or bytes) and its high plane (5 and 6 bits)
-    // Scale arrays, each [units][n_tiles * PI_COLMAT_TILE] (rows fastest), NULL when unused:
+    // Scale arrays, each [units][n_tiles * PI_COLMAT_TILE] (rows fastest), NULL when unused
+    // (K's sc and mins keep the file's 6 bits, packed: input_sparse.c, get6):
     const ggml_fp16_t *    d;        // per 32 (D, DM) or per 256 columns (K, 6K)
     const ggml_fp16_t *    m;        // DM: per 32; K: dmin per 256
-    const uint8_t *        sc;       // K: per 32 (6K: int8 per 16)
-    const uint8_t *        mins;     // K: per 32
+    const uint8_t *        sc;       // K: 6 bits per 32, 16 rows in 12 bytes (6K: int8 per 16)
+    const uint8_t *        mins;     // K: 6 bits per 32, a row's 8 of a super-block in 6 bytes
 };
 
 struct pi_colmat {
