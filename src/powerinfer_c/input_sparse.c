@@ -186,9 +186,11 @@ static inline void put6(uint8_t * p, int i, uint8_t v) {
     if (sh > 2) p[b + 1] = (uint8_t) ((p[b + 1] & ~(63u >> (8 - sh))) | ((unsigned) v >> (8 - sh)));
 }
 
-// Where row `row`'s scale of sub-block sub sits (rows: the segment's padded rows): its
-// group of 16 rows, and its value in the group.
-static inline size_t sc_group(size_t rows, int64_t sub, int64_t row) { return (size_t) sub * (rows / 16 * 12) + (size_t) (row / 16) * 12; }
+// Bytes of the 6-bit scales of n rows (a multiple of 16) of one sub-block.
+static inline size_t k6_bytes(int64_t n) { return (size_t) n / 16 * 12; }
+// Where the group of 16 rows holding row `row`'s scale of sub-block sub starts (rows: the
+// segment's padded rows); the scale is value row % 16 of the group.
+static inline size_t sc_group(size_t rows, int64_t sub, int64_t row) { return (size_t) sub * k6_bytes((int64_t) rows) + k6_bytes(row); }
 // The 8 minimums of row `row` in super-block sb.
 static inline size_t min_group(size_t rows, int64_t sb, int64_t row) { return ((size_t) sb * rows + (size_t) row) * 6; }
 
@@ -203,7 +205,7 @@ static struct scale_sizes scale_sizes(const struct pi_colmat_seg * s, int64_t n_
         case PI_CM_DM: z.d = z.m = rows * (size_t) (n_in / QK) * 2; break;
         case PI_CM_K:
             z.d = z.m = rows * (size_t) (n_in / QK_K) * 2;
-            z.sc   = rows / 16 * 12 * (size_t) (n_in / QK) + PI_CM_K6_SLACK;
+            z.sc   = k6_bytes((int64_t) rows) * (size_t) (n_in / QK) + PI_CM_K6_SLACK;
             z.mins = rows * 6 * (size_t) (n_in / QK_K) + PI_CM_K6_SLACK;
             break;
         case PI_CM_6K: z.d = rows * (size_t) (n_in / QK_K) * 2; z.sc = rows * (size_t) (n_in / 16); break;
@@ -817,9 +819,6 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
     return s->sc + (s->scales == PI_CM_6K ? (size_t) (j / 16) * rows : sc_group(rows, j / QK, 0));
 }
 
-// Bytes of the scales of rows [0, r) of a chunk (r a multiple of 16) from seg_sc's pointer.
-static inline size_t sc_rows_bytes(bool six, int64_t r) { return six ? (size_t) r : (size_t) r / 16 * 12; }
-
 // A group of 16 rows' 6-bit scales (12 bytes at p) as 16 int32. Word i takes the two bytes
 // that hold bits 6i .. 6i + 5 and shifts them down (AVX512BW: any AVX-512 CPU that runs
 // these kernels).
@@ -865,7 +864,7 @@ static inline __attribute__((always_inline)) void put_sums(__m512i v, int32_t * 
         return;
     }
     if (six) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * s8[t]));
-    const __m512i sc = six ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (scp + r))) : k_sc16(scp + r / 16 * 12);
+    const __m512i sc = six ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (scp + r))) : k_sc16(scp + k6_bytes(r));
     const __m512i pv = _mm512_mullo_epi32(sc, v);
     _mm512_storeu_si512(tsum + i, t_first ? pv : _mm512_add_epi32(_mm512_loadu_si512(tsum + i), pv));
 }
@@ -912,7 +911,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
             // the per-chunk scales (K: per 32 columns; 6K: per 16) of the chunk whose columns
             // these are, for the fold at that chunk's last pass
             if (n > 0 && s->sc) {
-                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + sc_rows_bytes(six, tp * TILE);
+                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (six ? (size_t) (tp * TILE) : k6_bytes(tp * TILE));
                 _mm_prefetch((const char *) sp, _MM_HINT_T1);
                 _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
             }
