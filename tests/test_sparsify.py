@@ -274,12 +274,16 @@ def test_measured_weights_and_runtime_thresholds(smollm2_path, corpus):
 
 def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
     # a copy whose layers all run dense and whose output matrix (SmolLM2's tied Q8_0
-    # embeddings) runs input-sparse: each step's logits must be the kernel's formula over the
+    # embeddings) runs input-sparse: each token's logits must be the kernel's formula over the
     # file's own blocks (tests/test_input_sparse.py: per block u of 32 columns,
     # y = a_u * dx_u * sum_j (q_j + 128) * q8_j - 128 * a_u * sum_j x_j over the kept j), from
-    # the final norm's output of the same step with |x| <= tau dropped
+    # the final norm's output of the same step with |x| <= tau dropped, except for the token's
+    # POWERINFER_HEAD_EXACT_ROWS largest of those: ggml's dense product over every column
+    # (y = sum_u a_u * dx_u * sum_j q_j * q8_j, x quantized to Q8_0 whole, dx as f16); in a batch too,
+    # each token by its own rows
     import gguf
 
+    from powerinfer_py._core.bindings import lib
     from powerinfer_py.pipeline.sparsify import write_sparse_model
 
     reader = gguf.GGUFReader(smollm2_path)
@@ -287,11 +291,37 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
     n_layer = int(reader.get_field(f"{arch}.block_count").parts[-1][0])
     tensors = {t.name: t for t in reader.tensors}
     head = tensors.get("output.weight", tensors["token_embd.weight"])
-    assert head.tensor_type == gguf.GGMLQuantizationType.Q8_0  # the formula below is Q8_0's
+    assert head.tensor_type == gguf.GGMLQuantizationType.Q8_0  # the formulas below are Q8_0's
     n_vocab, n_in = int(head.shape[1]), int(head.shape[0])
     blocks = np.frombuffer(head.data.tobytes(), dtype=[("d", "<f2"), ("qs", "i1", 32)]).reshape(n_vocab, n_in // 32)
     a = blocks["d"].astype(np.float64)                        # [n_vocab, units]
-    qu = blocks["qs"].astype(np.float64) + 128.0              # [n_vocab, units, 32]
+    qs = blocks["qs"].astype(np.float64)                      # [n_vocab, units, 32]
+    k_exact = int(lib.POWERINFER_HEAD_EXACT_ROWS)
+
+    def q8(x):  # float32, as the kernels: q8 = roundf(x * (1 / dx))
+        dx = np.abs(x).max(axis=1) / np.float32(127.0)
+        v = x * np.where(dx > 0, np.float32(1.0) / np.where(dx > 0, dx, 1), 0).astype(np.float32)[:, None]
+        return (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.float64), dx.astype(np.float64)
+
+    def check(y, x, tau):
+        x = np.array(x, dtype=np.float32).reshape(-1, 32)
+        eps = (n_in // 32 + 2) * np.finfo(np.float32).eps
+        kept = np.where(np.abs(x) > np.float32(tau), x, np.float32(0.0))
+        qk, dk = q8(kept)
+        dot = np.einsum("vuj,uj->vu", qs + 128.0, qk) * a * dk  # [n_vocab, units]
+        off = -128.0 * a * kept.astype(np.float64).sum(axis=1)
+        sparse = (dot + off).sum(axis=1)
+        sparse_bound = eps * (np.abs(dot) + np.abs(off)).sum(axis=1) + 1e-6
+        qx, dx = q8(x)  # ggml's Q8_0 keeps its scale as f16
+        full = np.einsum("vuj,uj->vu", qs, qx) * a * dx.astype(np.float16).astype(np.float64)
+        exact, exact_bound = full.sum(axis=1), eps * np.abs(full).sum(axis=1) + 1e-6
+        order = np.argsort(-sparse, kind="stable")
+        top, rest = order[: k_exact - 2], order[k_exact + 2 :]  # the two either side of the cut may swap on rounding
+        assert (np.abs(y[top] - exact[top]) <= exact_bound[top]).all(), float(np.abs(y[top] - exact[top]).max())
+        assert (np.abs(y[rest] - sparse[rest]) <= sparse_bound[rest]).all(), float(np.abs(y[rest] - sparse[rest]).max())
+        # the exact rows differ from the kept columns' estimate: the test tells them apart
+        assert np.abs(exact[top] - sparse[top]).max() > 10 * exact_bound[top].max()
+
     taus = np.full((n_layer + 1, len(INPUTS)), -1.0, dtype=np.float32)
     taus[-1, 0] = 0.0  # the head's column copy; its threshold is set on the context below
     out = tmp_path / "head.gguf"
@@ -299,25 +329,20 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
     with Model(str(out)) as m, Context(m, n_ctx=64, n_threads=2, embeddings=True) as c:
         assert m.sparse_mode() == "input" and m.input_sparse(n_layer, 0)
         assert not any(m.input_sparse(il, i) for il in range(n_layer) for i in range(len(INPUTS)))
-        toks = m.tokenize(TEXT.encode(), True, False)[:10]
+        toks = m.tokenize(TEXT.encode(), True, False)[:14]
         c.decode([toks[0]], 0)  # a sequence's first token runs dense
         tau = float(np.quantile(np.abs(c.embeddings(0)), 0.4))
         c.set_input_threshold(n_layer, 0, tau)
-        for pos, t in enumerate(toks[1:], start=1):
+        for pos, t in enumerate(toks[1:10], start=1):
             c.decode([t], pos)
-            x = np.array(c.embeddings(0)[0], dtype=np.float32).reshape(-1, 32)
-            y = np.array(c.logits(-1), dtype=np.float64)
-            kept = np.where(np.abs(x) > np.float32(tau), x, np.float32(0.0))
-            dx = np.abs(kept).max(axis=1) / np.float32(127.0)  # float32, as the kernel: q8 = roundf(x * (1 / dx))
-            v = kept * np.where(dx > 0, np.float32(1.0) / np.where(dx > 0, dx, 1), 0).astype(np.float32)[:, None]
-            q8 = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.float64)
-            dot = np.einsum("vuj,uj->vu", qu, q8) * a * dx.astype(np.float64)  # [n_vocab, units]
-            off = -128.0 * a * kept.astype(np.float64).sum(axis=1)
-            ref = (dot + off).sum(axis=1)
-            bound = (n_in // 32 + 2) * np.finfo(np.float32).eps * (np.abs(dot) + np.abs(off)).sum(axis=1) + 1e-6
-            assert (np.abs(y - ref) <= bound).all(), float(np.abs(y - ref).max())
+            check(np.array(c.logits(-1), dtype=np.float64), c.embeddings(0)[0], tau)
         n_kept, n_total = c.input_stats(n_layer, 0)
-        assert n_total == n_in * (len(toks) - 1) and 0.45 < n_kept / n_total < 0.75
+        assert n_total == n_in * 9 and 0.45 < n_kept / n_total < 0.75
+        c.decode(toks[10:], 10, logits_all=True)  # a batch of 4: each token its own top rows
+        n = len(toks) - 10
+        ys, xs = np.array(c.logits(0, n), dtype=np.float64), np.array(c.embeddings(0, n))
+        for j in range(n):
+            check(ys[j], xs[j], tau)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen"])

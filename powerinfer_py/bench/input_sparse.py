@@ -51,13 +51,13 @@ def sparse_path(model: str, sparsity: float) -> str:
 def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], threads: int) -> Dict[str, str]:
     """The sparse copies of model at these sparsities, made once (sparsify, one calibration
     for all of them) and reused while newer than the model and written by a sparsify that
-    allocates the output matrix too (they carry its key)."""
+    allocates the output matrix too, knowing its exact top rows (they carry those keys)."""
     from .._core import Model
-    from ..pipeline.sparsify import KEY_OUTPUT_THRESHOLD, sparsify
+    from ..pipeline.sparsify import KEY_HEAD_EXACT_ROWS, KEY_OUTPUT_THRESHOLD, sparsify
 
     def current(path: str) -> bool:  # the core reads the keys in 0.5 s where gguf's reader takes 7 (151k-token vocabulary)
         with Model(path, vocab_only=True) as m:
-            return KEY_OUTPUT_THRESHOLD in m.metadata()
+            return KEY_OUTPUT_THRESHOLD in m.metadata() and KEY_HEAD_EXACT_ROWS in m.metadata()
 
     paths, histograms, weights = {}, None, None
     for sparsity in sparsities:

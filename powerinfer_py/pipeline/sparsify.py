@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._core import Context, Model
+from .._core.bindings import lib
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
 from .calibrate import decode_calibration
 from .common import PipelineError, files, read_corpus, run_cli, same_file, token_chunks
@@ -52,6 +53,9 @@ KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
 KEY_OUTPUT_THRESHOLD = "powerinfer.output_threshold"
 KEY_INPUT_SPARSITY = "powerinfer.input_sparsity"
 KEY_INPUT_ALLOCATION = "powerinfer.input_allocation"
+# The output matrix's top rows per token that the engine computes exactly (POWERINFER_HEAD_EXACT_ROWS)
+# when this copy was allocated: the harm the allocation measured on the output matrix assumed them.
+KEY_HEAD_EXACT_ROWS = "powerinfer.input_head_exact_rows"
 INPUTS = ("qkv", "o", "ffn", "down")
 # The matrices that read each input, by tensor name suffix.
 INPUT_TENSORS = {
@@ -410,11 +414,13 @@ def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, me
         raise PipelineError("the output must not be the input file")
     reader = open_gguf(src)
     w = new_writer(dst, reader.get_field("general.architecture").contents())
-    copy_kv(reader, w, skip={KEY_INPUT_THRESHOLDS, KEY_OUTPUT_THRESHOLD, KEY_INPUT_SPARSITY, KEY_INPUT_ALLOCATION})
+    copy_kv(reader, w, skip={KEY_INPUT_THRESHOLDS, KEY_OUTPUT_THRESHOLD, KEY_INPUT_SPARSITY, KEY_INPUT_ALLOCATION,
+                             KEY_HEAD_EXACT_ROWS})
     w.add_array(KEY_INPUT_THRESHOLDS, [float(t) for t in taus[:-1].reshape(-1)])
     w.add_float32(KEY_OUTPUT_THRESHOLD, float(taus[-1, 0]))
     w.add_float32(KEY_INPUT_SPARSITY, float(sparsity))
     w.add_string(KEY_INPUT_ALLOCATION, method)
+    w.add_uint32(KEY_HEAD_EXACT_ROWS, int(lib.POWERINFER_HEAD_EXACT_ROWS))
     for t in reader.tensors:
         w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     finish(w, dst, progress=progress)

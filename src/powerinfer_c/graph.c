@@ -502,6 +502,10 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);
     in->logits = input_sparse(ctx, model, gp, hp->n_layer, 0, cur);  // [n_vocab, n_outputs]
+    if (in->logits && ggml_backend_buffer_is_host(model->output->buffer)) {
+        // the likeliest tokens' logits from every column (docs/input-sparsity.md, "Exact top rows")
+        in->logits = pi_head_exact_top(ctx, in->logits, model->output, cur, POWERINFER_HEAD_EXACT_ROWS);
+    }
     in->logits = in->logits ? in->logits : packed_or_mul(ctx, model, model->output, model->output_p, cur);
     ggml_set_name(in->logits, "result_output");
     ggml_set_output(in->logits);

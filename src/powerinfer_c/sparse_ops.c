@@ -513,3 +513,67 @@ struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor
     struct ggml_tensor * sargs[2] = { part, idx };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, n_tok, 1, 1, sargs, 2, sum_chunks_op, GGML_N_TASKS_MAX, NULL);
 }
+
+// ---- exact top rows of the output matrix (input mode) -----------------------------------
+
+#define PI_HEAD_EXACT_MAX 1024
+
+// Sifts heap[i] down a min-heap of n (value, row) pairs; on equal values the higher row is
+// the smaller, so the lower row survives a tie.
+static void heap_down(float * v, int32_t * r, int32_t n, int32_t i) {
+    for (;;) {
+        int32_t m = i;
+        const int32_t a = 2 * i + 1, b = a + 1;
+        if (a < n && (v[a] < v[m] || (v[a] == v[m] && r[a] > r[m]))) m = a;
+        if (b < n && (v[b] < v[m] || (v[b] == v[m] && r[b] > r[m]))) m = b;
+        if (m == i) return;
+        const float tv = v[i]; v[i] = v[m]; v[m] = tv;
+        const int32_t tr = r[i]; r[i] = r[m]; r[m] = tr;
+        i = m;
+    }
+}
+
+static void head_exact_top_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const int32_t k = (int32_t) (intptr_t) userdata;
+    const struct ggml_tensor * w = dst->src[1], * xq = dst->src[2];
+    const int64_t n_vocab = dst->ne[0];
+    float   v[PI_HEAD_EXACT_MAX];
+    int32_t r[PI_HEAD_EXACT_MAX];
+    for (int64_t t = ith; t < dst->ne[1]; t += nth) {  // a token's whole vocabulary per thread
+        float * y = (float *) ((char *) dst->data + t * dst->nb[1]);
+        int32_t n = 0;
+        for (int64_t i = 0; i < n_vocab; ++i) {
+            const float yi = y[i];
+            if (n < k) {
+                if (yi != yi) continue;  // NaN: stays as computed
+                v[n] = yi;
+                r[n++] = (int32_t) i;
+                if (n == k) {  // full: make it a heap
+                    for (int32_t j = k / 2 - 1; j >= 0; --j) heap_down(v, r, n, j);
+                }
+            } else if (yi > v[0]) {
+                v[0] = yi;
+                r[0] = (int32_t) i;
+                heap_down(v, r, n, 0);
+            }
+        }
+        const void * y_q = (const char *) xq->data + t * xq->nb[1];
+        for (int32_t j = 0; j < n; j += PI_ROWS_MAX) {
+            const int kn = n - j < PI_ROWS_MAX ? (int) (n - j) : PI_ROWS_MAX;
+            const void * rows[PI_ROWS_MAX];
+            float res[PI_ROWS_MAX];
+            for (int q = 0; q < kn; ++q) rows[q] = (const char *) w->data + (size_t) r[j + q] * w->nb[1];
+            pi_rows_dot(w->type, w->ne[0], rows, kn, y_q, res, NULL);
+            for (int q = 0; q < kn; ++q) y[r[j + q]] = res[q];
+        }
+    }
+}
+
+struct ggml_tensor * pi_head_exact_top(struct ggml_context * ctx, struct ggml_tensor * logits, struct ggml_tensor * w,
+                                       struct ggml_tensor * x, int32_t k) {
+    GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_contiguous(logits) && logits->ne[0] == w->ne[1]);
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[1] == logits->ne[1]);
+    GGML_ASSERT(k > 0 && k <= PI_HEAD_EXACT_MAX);
+    struct ggml_tensor * args[2] = { w, pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(w->type)->vec_dot_type) };
+    return ggml_custom_inplace(ctx, logits, args, 2, head_exact_top_op, GGML_N_TASKS_MAX, (void *) (intptr_t) k);
+}

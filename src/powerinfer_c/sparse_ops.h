@@ -97,3 +97,11 @@ struct ggml_tensor * pi_sparse_axpy(struct ggml_context * ctx, struct ggml_tenso
 struct ggml_tensor * pi_sparse_ffn(struct ggml_context * ctx, struct ggml_tensor * up, struct ggml_tensor * gate,
                                    struct ggml_tensor * a, struct ggml_tensor * down_t, struct ggml_tensor * xq,
                                    struct ggml_tensor * xg, struct ggml_tensor * idx, enum pi_ffn_act act);
+
+// Input mode's output matrix: logits: F32 [n_vocab, T], computed from the kept columns of
+// w ([n_embd, n_vocab], the output matrix); x: F32 [n_embd, T], the whole input. Each token's
+// `k` largest logits (NaN never among them; ties to the lower row) are replaced, in place, by
+// w_i . x over every column (x converted to w's vec_dot type, as ggml's dense product does).
+// Each token uses only its own rows, so its result is the one it gets alone.
+struct ggml_tensor * pi_head_exact_top(struct ggml_context * ctx, struct ggml_tensor * logits, struct ggml_tensor * w,
+                                       struct ggml_tensor * x, int32_t k);

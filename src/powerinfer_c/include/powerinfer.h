@@ -72,6 +72,9 @@ enum powerinfer_input {
     POWERINFER_INPUT_FFN  = 2, // the FFN norm's output: gate and up
     POWERINFER_INPUT_DOWN = 3, // act(gate) * up: down
     POWERINFER_INPUT_COUNT = 4,
+    // When the output matrix reads only its kept columns, each token's this many largest
+    // logits are then computed again from every column (docs/input-sparsity.md, "Exact top rows").
+    POWERINFER_HEAD_EXACT_ROWS = 1024,
 };
 
 // How placement uses the devices (GPUs, iGPUs, RPC workers; docs/hybrid.md, docs/distributed.md).
