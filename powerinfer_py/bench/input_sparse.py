@@ -166,11 +166,12 @@ def quality(model: str, paths: Dict[str, str], domains: List[List[str]], passage
     """Per sparsity and domain: NLL change, KL and top-1 agreement against llama-cpp-python on
     the original (its log-probabilities computed once per passage)."""
     from .._core import Model
-    from ..pipeline.evaluate import Score, file_passages, model_logp, reference_logp
+    from ..pipeline.evaluate import Reference, Score, file_passages, model_logp
 
     out: Dict[str, Any] = {}
     texts = {name: file_passages(model, f, passages, n_tokens) for name, f in domains}
-    refs = {name: [reference_logp(model, p, threads) for p in ps] for name, ps in texts.items()}
+    with Reference(model, max(len(p) for ps in texts.values() for p in ps) + 8, threads) as ref:
+        refs = {name: [ref.logp(p) for p in ps] for name, ps in texts.items()}
     for key, path in paths.items():
         with Model(path, sparse_mode="input") as m:
             out[key] = {}

@@ -374,12 +374,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def run(a):
         domains = evaluate.parse_domains(a.card) if a.card else None  # bad --card text fails before converting
         reference = a.card_reference
+        if domains and a.card_batch != 1 and a.predictors:  # the card would refuse it after converting
+            raise PipelineError("--card-batch: the card of a file with predictors scores predictor mode, "
+                                "which takes --card-batch 1")
         rep = convert(a.input, a.out, predictors=a.predictors, stats=a.stats, outtype=a.outtype,
                       activation=a.activation, tokenizer_pre=a.tokenizer_pre)
         print(json.dumps(rep, indent=1))
         if domains:
             card = evaluate.evaluate(a.out, domains, reference, n_passages=a.card_passages, n_tokens=a.card_n_tokens,
-                                     n_gen=a.card_n_gen, n_prompt=a.card_n_prompt)
+                                     n_gen=a.card_n_gen, n_prompt=a.card_n_prompt, batch=a.card_batch)
             md, js = evaluate.write_card(card, card_base(a.out))
             print(evaluate.render(card))
             print(f"card: {md}, {js}", file=sys.stderr)

@@ -48,6 +48,7 @@ from .._core.bindings import lib
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
 from .calibrate import decode_calibration
 from .common import PipelineError, files, read_corpus, run_cli, same_file, token_chunks
+from .evaluate import passage_logp
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
 KEY_OUTPUT_THRESHOLD = "powerinfer.output_threshold"
@@ -206,28 +207,6 @@ PROBE_SPARSITY = 0.4
 PROBE_PASSAGES, PROBE_TOKENS, PROBE_BATCH = 8, 96, 16
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def _passage_logp(ctx: Context, passage: Sequence[int]) -> np.ndarray:
-    """log-softmax of the logits at every position but the last, the tokens after the first
-    in batches of PROBE_BATCH (input mode computes each token of a batch as it would alone)."""
-    n = len(passage)
-    out = np.empty((n - 1, ctx.n_vocab), dtype=np.float32)
-    ctx.decode([int(passage[0])], 0)
-    out[0] = ctx.logits(-1)
-    pos = 1
-    while pos < n - 1:
-        k = min(PROBE_BATCH, n - 1 - pos)
-        ctx.decode([int(t) for t in passage[pos : pos + k]], pos, logits_all=True)
-        out[pos : pos + k] = ctx.logits(0, k)
-        pos += k
-    return _log_softmax(out)
-
-
 class _Probe:
     """The model in input mode with every input mapped (threshold 0 keeps every nonzero
     entry) on PROBE_PASSAGES passages of the calibration text: kl(s) sets the thresholds of
@@ -256,7 +235,7 @@ class _Probe:
         # dense in the copy too
         self.mapped = np.array([[self.model.input_sparse(il, i) for i in range(len(INPUTS))] for il in range(counts.shape[0])])
         self._set(np.zeros(self.mapped.shape))
-        self.refs = [_passage_logp(self.ctx, p) for p in self.passages]
+        self.refs = [passage_logp(self.ctx, p, PROBE_BATCH) for p in self.passages]
 
     def _set(self, s: np.ndarray) -> None:
         for il in range(s.shape[0]):
@@ -267,7 +246,8 @@ class _Probe:
 
     def kl(self, s: np.ndarray) -> float:
         self._set(s)
-        out = [float((np.exp(r) * (r - _passage_logp(self.ctx, p))).sum(axis=-1).mean()) for p, r in zip(self.passages, self.refs)]
+        out = [float((np.exp(r) * (r - passage_logp(self.ctx, p, PROBE_BATCH))).sum(axis=-1).mean())
+               for p, r in zip(self.passages, self.refs)]
         return float(np.mean(out))
 
     def close(self) -> None:
@@ -442,6 +422,13 @@ def calibration_texts(corpus: Sequence[str], samples: int, model_path: str, thre
 
 ALLOCATIONS = ("measured", "greedy", "uniform")
 
+# The card scores its positions this many per step: on Qwen2.5-Coder-1.5B (2 threads) its
+# 3 x 8 x 256 positions took about 17 minutes one token per decode, llama-cpp-python's
+# reference included, and about 5 in steps of 16. Input mode keeps for each token of a step
+# the entries it keeps alone; the matrices that run dense, and the reference, take ggml's
+# batch kernels, which differ from its decode kernels by rounding (see evaluate.Reference).
+CARD_BATCH = 16
+
 
 def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
              n_tokens: int = 8192, allocation: str = "measured", threads: int = 2, progress: bool = True,
@@ -510,7 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--card", help="the card's path without extension (default: OUT without .gguf)")
     p.add_argument("--no-card", action="store_true", help="skip the trust card")
     p.add_argument("--no-speed", action="store_true", help="the card without its speed table")
-    evaluate.add_arguments(p, prefix="card-")
+    evaluate.add_arguments(p, prefix="card-", batch=CARD_BATCH)
 
     def run(a):
         if not a.no_card and not a.text:
@@ -526,7 +513,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.no_card:
             return 0
         card = evaluate.evaluate(a.out, evaluate.parse_domains(a.text), a.model, ["input"], a.card_passages,
-                                 a.card_n_tokens, a.threads, a.card_n_gen, a.card_n_prompt, not a.no_speed)
+                                 a.card_n_tokens, a.threads, a.card_n_gen, a.card_n_prompt, not a.no_speed,
+                                 batch=a.card_batch)
         print(evaluate.render(card))
         md, js = evaluate.write_card(card, a.card or _card_base(a.out))
         print(f"card: {md}, {js}", file=sys.stderr)
