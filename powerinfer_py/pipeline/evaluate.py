@@ -527,7 +527,7 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "", batch: int = 1) 
     p.add_argument(f"--{prefix}passages", type=int, default=8, help="passages per domain (default 8)")
     p.add_argument(f"--{prefix}batch", type=int, default=batch,
                    help=f"tokens scored per step, 1 to {MAX_BATCH} (default {batch}; 1: as generation decodes, and "
-                        "dense mode matches llama-cpp-python bit for bit; above 1: several times faster, on both "
+                        "dense mode matches llama-cpp-python bit for bit; above 1: about 3x faster, on both "
                         "engines' batch kernels; not for gate or predictor mode)")
     p.add_argument(f"--{prefix}n-tokens", type=int, default=256, help="tokens per passage (default 256)")
     p.add_argument(f"--{prefix}n-gen", type=int, default=64, help="decode steps timed per mode (default 64)")
