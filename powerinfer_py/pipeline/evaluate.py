@@ -178,25 +178,17 @@ class Reference:
     def __init__(self, path: str, n_ctx: int, threads: int, batch: int = 1):
         import llama_cpp
 
-        self.batch = batch
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, logits_all=batch > 1,
+        # micro-batches of `batch` tokens (n_ubatch 1 runs the kernels a decode runs), every
+        # position's logits kept
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, logits_all=True,
                                    n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def logp(self, passage: np.ndarray) -> np.ndarray:
-        import llama_cpp
-
         llm, n = self.llm, len(passage)
         llm.reset()
-        if self.batch > 1:
-            llm.eval([int(passage[0])])
-            llm.eval([int(t) for t in passage[1 : n - 1]])
-            return log_softmax(np.asarray(llm.scores[: n - 1], dtype=np.float32))
-        n_vocab = llm.n_vocab()
-        x = np.empty((n - 1, n_vocab), dtype=np.float32)
-        for pos in range(n - 1):
-            llm.eval([int(passage[pos])])
-            x[pos] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-        return log_softmax(x)
+        llm.eval([int(passage[0])])
+        llm.eval([int(t) for t in passage[1 : n - 1]])
+        return log_softmax(np.asarray(llm.scores[: n - 1], dtype=np.float32))
 
     def close(self) -> None:
         self.llm.close()
@@ -216,13 +208,11 @@ def passage_logp(ctx: Context, passage: Sequence[int], batch: int = 1) -> np.nda
     its decode kernels); gate and predictor modes compute the union of the batch's neurons."""
     n = len(passage)
     out = np.empty((n - 1, ctx.n_vocab), dtype=np.float32)
-    ctx.decode([int(passage[0])], 0)
-    out[0] = ctx.logits(-1)
-    pos = 1
+    pos = 0
     while pos < n - 1:
-        k = min(batch, n - 1 - pos)
-        ctx.decode([int(t) for t in passage[pos : pos + k]], pos, logits_all=k > 1)
-        out[pos : pos + k] = ctx.logits(0, k) if k > 1 else ctx.logits(-1)
+        k = 1 if pos == 0 else min(batch, n - 1 - pos)
+        ctx.decode([int(t) for t in passage[pos : pos + k]], pos, logits_all=True)
+        out[pos : pos + k] = ctx.logits(0, k)
         pos += k
     return log_softmax(out)
 
