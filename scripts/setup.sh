@@ -204,9 +204,10 @@ if [ ! -f "$GGML_SRC/ggml-backend-impl.h" ]; then
     phase "ggml-backend-impl.h from the llama-cpp-python sdist"
     ensure_sdist
     mkdir -p "$GGML_SRC"
-    tar -xzf "$SDIST" -O "llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp/ggml/src/ggml-backend-impl.h" \
-        >"$GGML_SRC/ggml-backend-impl.h.tmp"
-    mv "$GGML_SRC/ggml-backend-impl.h.tmp" "$GGML_SRC/ggml-backend-impl.h"
+    # a temporary of its own: set-ups of two checkouts may run at once
+    impl_tmp=$(mktemp "$GGML_SRC/.ggml-backend-impl.h.XXXXXX")
+    tar -xzf "$SDIST" -O "llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp/ggml/src/ggml-backend-impl.h" >"$impl_tmp"
+    mv "$impl_tmp" "$GGML_SRC/ggml-backend-impl.h"
 fi
 
 # --------------------------------------------------------------------------- Python deps
