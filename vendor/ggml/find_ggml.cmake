@@ -5,13 +5,28 @@
 # Inputs (all optional):
 #   LLAMA_CPP_PYTHON_ROOT  site-packages dir holding llama_cpp/ (also read from the environment)
 #   Python3_EXECUTABLE     interpreter whose site-packages to search
-# Outputs: targets ggml::ggml, ggml::ggml-base, ggml::ggml-cpu, llama; variable
-#   POWERINFER_GGML_LIBDIR (directory of the shared libraries, for RPATH).
+#   POWERINFER_GGML_ROOT   install prefix of a ggml built apart from llama-cpp-python (also
+#                          read from the environment): ggml only, no libllama, so only
+#                          targets that need no libllama build. scripts/build_aarch64.sh
+#                          cross-builds the pinned sdist's ggml for aarch64 and points here.
+# Outputs: targets ggml::ggml, ggml::ggml-base, ggml::ggml-cpu, llama (not with
+#   POWERINFER_GGML_ROOT); variable POWERINFER_GGML_LIBDIR (directory of the shared
+#   libraries, for RPATH).
 
 file(STRINGS "${CMAKE_CURRENT_LIST_DIR}/PIN" _pin REGEX "^llama-cpp-python==")
 string(REPLACE "llama-cpp-python==" "" POWERINFER_LLAMA_CPP_PYTHON_VERSION "${_pin}")
 
 set(_howto "Install it first (AMX-safe flags, see README):\n  CFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' pip install llama-cpp-python==${POWERINFER_LLAMA_CPP_PYTHON_VERSION}\nor run ./scripts/setup.sh, which builds and caches that wheel.")
+
+if(NOT POWERINFER_GGML_ROOT AND DEFINED ENV{POWERINFER_GGML_ROOT})
+    set(POWERINFER_GGML_ROOT "$ENV{POWERINFER_GGML_ROOT}")
+endif()
+if(POWERINFER_GGML_ROOT)
+    find_package(ggml CONFIG REQUIRED PATHS "${POWERINFER_GGML_ROOT}/lib/cmake/ggml" NO_DEFAULT_PATH)
+    set(POWERINFER_GGML_LIBDIR "${POWERINFER_GGML_ROOT}/lib")
+    message(STATUS "PowerInfer-Py: ggml ${ggml_VERSION} from ${POWERINFER_GGML_ROOT} (no libllama)")
+    return()
+endif()
 
 if(NOT LLAMA_CPP_PYTHON_ROOT AND DEFINED ENV{LLAMA_CPP_PYTHON_ROOT})
     set(LLAMA_CPP_PYTHON_ROOT "$ENV{LLAMA_CPP_PYTHON_ROOT}")
