@@ -1,8 +1,8 @@
 // sparse_kernels.h - the per-row arithmetic of the sparse operators (sparse_ops.c): dot
 // products of a few weight rows with one quantized input, and AXPY of a few weight rows
 // into a float output. Rows are scattered (the active neurons), so the kernels take row
-// pointers; SIMD kernels cover the common types (Q4_0, Q8_0 with AVX-512), and every
-// other ggml type goes through ggml's own CPU type traits.
+// pointers; SIMD kernels cover the common types (Q4_0, Q8_0 at the AVX-512, AVX-VNNI, AVX2
+// and NEON dotprod levels), and every other ggml type goes through ggml's own CPU type traits.
 #pragma once
 
 #include "ggml.h"
