@@ -1,4 +1,5 @@
 // packed_matmul.c - the packed Q4_0x16 / Q8_0x16 matmul (see packed_matmul.h).
+#include "kernel_variant.h"  // first: this file is built once per ISA level
 #include "packed_matmul.h"
 
 #include "ggml-cpu.h"
@@ -6,8 +7,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #define QK 32
@@ -38,12 +42,22 @@ struct xq_block {
     int8_t  q[QK];
 };
 
+// The kernel per level (compile-time: this file is built once per level, kernel_variant.h):
+// AVX-512 VNNI (one 512-bit register per chunk), AVX-VNNI and AVX2 (two 256-bit halves of
+// 8 rows), NEON dotprod (four quarters of 4 rows); without any, a scalar loop. All of them
+// compute each row's integer sum exactly and then the same float operations per block and
+// row (fma(sum, d_w * d_x, acc), then the minimum's or the second half's fma; the scalar
+// loop calls fmaf), so every level gives the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define PI_PACK_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PI_PACK_AVX2 1
+#elif defined(__ARM_FEATURE_DOTPROD)
+#define PI_PACK_NEON 1
 #endif
 
 bool pi_pack_available(void) {
-#ifdef PI_PACK_VNNI
+#if defined(PI_PACK_VNNI) || defined(PI_PACK_AVX2) || defined(PI_PACK_NEON)
     return true;
 #else
     return false;
@@ -332,6 +346,232 @@ static void group_tile_any(enum pi_pack_type pt, const uint8_t * wg, int64_t n_b
 #undef PI_TILE_NT
 #endif
 
+#ifdef PI_PACK_AVX2
+// group_tile on 256-bit registers: acc[j][h] lane r = row 8h + r . token j, the same packed
+// layout (half h of each 64-byte chunk holds rows 8h .. 8h+7). With AVX-VNNI, vpdpbusd as
+// above. With AVX2 alone, vpmaddubsw (unsigned weight byte times signed input byte, pairs
+// summed into int16 with saturation) stands in, kept exact by bounding each int16 lane: a
+// weight byte u <= 15 (nibbles) makes a pair at most 2 * 15 * 128 = 3840 in size, so eight
+// chunks sum in int16 (30720 < 32767) before one vpmaddwd widens them; 5-bit weights (<= 31)
+// sum four chunks, 6-bit (<= 63) two; Q8's bytes (<= 255) split into their nibbles,
+// u = 16 h + l, each summed over the eight chunks, then vpmaddwd by 16 and by 1. The row
+// sums are the exact integers vpdpbusd gives, and the float operations are AVX-512's.
+static inline __attribute__((always_inline)) void group_tile2(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks,
+                                                              const struct xq_block * const * xb, const int nt,
+                                                              __m256 (*out)[2]) {
+    const size_t gbb = group_block_bytes(pt), head = group_head_bytes(pt);
+    const bool q4 = nibbles(pt), with_min = pt == PI_PACK_Q41 || pt == PI_PACK_Q4F, f32 = pt == PI_PACK_Q4F || pt == PI_PACK_Q6F;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if !defined(__AVXVNNI__)
+    const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+#endif
+    __m256 acc[TILE_T][2];
+    for (int j = 0; j < nt; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    const uint8_t * blk = wg;
+    for (int64_t b = 0; b < n_blocks; ++b, blk += gbb) {
+        for (int h = 0; h < 2; ++h) {
+            const __m256 dw = f32 ? _mm256_loadu_ps((const float *) blk + 8 * h)
+                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const ggml_fp16_t *) blk + 8 * h)));
+            const __m256 mw = !with_min && pt != PI_PACK_Q6F ? _mm256_setzero_ps()
+                            : f32 ? _mm256_loadu_ps((const float *) blk + PI_PACK_ROWS + 8 * h)
+                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const ggml_fp16_t *) blk + PI_PACK_ROWS + 8 * h)));
+            const uint8_t * wc = blk + head + 32 * h;  // chunk c's half: wc + 64 c
+            __m256i wq[8];  // as in group_tile; Q8 without VNNI: the low nibbles, wh the high ones
+#if !defined(__AVXVNNI__)
+            __m256i wh[8];
+#endif
+            if (q4) {
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *) (wc + c * 64));
+                    wq[c]     = _mm256_and_si256(raw, m4);
+                    wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                }
+            } else {
+                for (int c = 0; c < 8; ++c) wq[c] = _mm256_loadu_si256((const __m256i *) (wc + c * 64));
+#if !defined(__AVXVNNI__)
+                if (pt == PI_PACK_Q8) {
+                    for (int c = 0; c < 8; ++c) {
+                        wh[c] = _mm256_and_si256(_mm256_srli_epi16(wq[c], 4), m4);
+                        wq[c] = _mm256_and_si256(wq[c], m4);
+                    }
+                }
+#endif
+            }
+            for (int j = 0; j < nt; ++j) {
+                const struct xq_block * x = xb[j] + b;
+                const int32_t * x4 = (const int32_t *) x->q;
+                const __m256 dx = _mm256_set1_ps(x->d);
+#if defined(__AVXVNNI__)
+#define PI_DP(acc, c) _mm256_dpbusd_avx_epi32(acc, wq[c], _mm256_set1_epi32(x4[c]))
+                if (pt == PI_PACK_Q6F) {
+                    __m256i lo = _mm256_set1_epi32(-32 * x->s_lo), hi = _mm256_set1_epi32(-32 * x->s_hi);
+                    for (int c = 0; c < 4; ++c) lo = PI_DP(lo, c);
+                    for (int c = 4; c < 8; ++c) hi = PI_DP(hi, c);
+                    acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dw, dx), acc[j][h]);
+                    acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(mw, dx), acc[j][h]);
+                    continue;
+                }
+                __m256i p0 = _mm256_set1_epi32(x->corr), p1 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) p0 = PI_DP(p0, c);
+                for (int c = 4; c < 8; ++c) p1 = PI_DP(p1, c);
+                const __m256i p = _mm256_add_epi32(p0, p1);
+#undef PI_DP
+#else
+#define PI_MB(w, c) _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x4[c]))
+                if (pt == PI_PACK_Q6F) {  // two chunks per int16 sum
+                    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(PI_MB(wq, 0), PI_MB(wq, 1)), ones),
+                                                        _mm256_madd_epi16(_mm256_add_epi16(PI_MB(wq, 2), PI_MB(wq, 3)), ones));
+                    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(PI_MB(wq, 4), PI_MB(wq, 5)), ones),
+                                                        _mm256_madd_epi16(_mm256_add_epi16(PI_MB(wq, 6), PI_MB(wq, 7)), ones));
+                    const __m256i lo32 = _mm256_add_epi32(lo, _mm256_set1_epi32(-32 * x->s_lo));
+                    const __m256i hi32 = _mm256_add_epi32(hi, _mm256_set1_epi32(-32 * x->s_hi));
+                    acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo32), _mm256_mul_ps(dw, dx), acc[j][h]);
+                    acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi32), _mm256_mul_ps(mw, dx), acc[j][h]);
+                    continue;
+                }
+                __m256i p;
+                if (pt == PI_PACK_Q5) {  // four chunks per int16 sum
+                    __m256i s0 = PI_MB(wq, 0), s1 = PI_MB(wq, 4);
+                    for (int c = 1; c < 4; ++c) {
+                        s0 = _mm256_add_epi16(s0, PI_MB(wq, c));
+                        s1 = _mm256_add_epi16(s1, PI_MB(wq, c + 4));
+                    }
+                    p = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+                } else if (pt == PI_PACK_Q8) {  // nibbles: eight chunks per int16 sum, each
+                    __m256i sl = PI_MB(wq, 0), sh = PI_MB(wh, 0);
+                    for (int c = 1; c < 8; ++c) {
+                        sl = _mm256_add_epi16(sl, PI_MB(wq, c));
+                        sh = _mm256_add_epi16(sh, PI_MB(wh, c));
+                    }
+                    p = _mm256_add_epi32(_mm256_madd_epi16(sh, sixteen), _mm256_madd_epi16(sl, ones));
+                } else {  // Q4, Q41, Q4F: eight chunks of nibbles
+                    __m256i s0 = PI_MB(wq, 0);
+                    for (int c = 1; c < 8; ++c) s0 = _mm256_add_epi16(s0, PI_MB(wq, c));
+                    p = _mm256_madd_epi16(s0, ones);
+                }
+                p = _mm256_add_epi32(p, _mm256_set1_epi32(x->corr));
+#undef PI_MB
+#endif
+                acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, dx), acc[j][h]);
+                if (with_min) acc[j][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->ds), acc[j][h]);
+            }
+        }
+    }
+    for (int j = 0; j < nt; ++j) {
+        out[j][0] = acc[j][0];
+        out[j][1] = acc[j][1];
+    }
+}
+
+#define PI_TILE_NT(PT)                                                          \
+    switch (nt) {                                                               \
+        case 1:  group_tile2(PT, wg, n_blocks, xb, 1, acc); break;              \
+        case 2:  group_tile2(PT, wg, n_blocks, xb, 2, acc); break;              \
+        case 3:  group_tile2(PT, wg, n_blocks, xb, 3, acc); break;              \
+        default: group_tile2(PT, wg, n_blocks, xb, TILE_T, acc); break;         \
+    }
+
+static void group_tile_any(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks, const struct xq_block * const * xb,
+                           int nt, __m256 (*acc)[2]) {
+    switch (pt) {
+        case PI_PACK_Q4:  PI_TILE_NT(PI_PACK_Q4); break;
+        case PI_PACK_Q41: PI_TILE_NT(PI_PACK_Q41); break;
+        case PI_PACK_Q4F: PI_TILE_NT(PI_PACK_Q4F); break;
+        case PI_PACK_Q6F: PI_TILE_NT(PI_PACK_Q6F); break;
+        case PI_PACK_Q5:  PI_TILE_NT(PI_PACK_Q5); break;
+        default:          PI_TILE_NT(PI_PACK_Q8); break;
+    }
+}
+#undef PI_TILE_NT
+#endif
+
+#ifdef PI_PACK_NEON
+// group_tile on 128-bit registers: acc[j][qr] lane r = row 4 qr + r . token j (quarter qr of
+// each chunk holds rows 4 qr .. 4 qr + 3). sdot multiplies signed bytes: nibbles and the 5-
+// and 6-bit weights (< 128) are the same bytes signed; Q8's w + 128 goes back to w by xor
+// 0x80, whose sum is then sum(w x) itself, which is corr + sum((w + 128) x): the same integer.
+static inline __attribute__((always_inline)) void group_tile4(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks,
+                                                              const struct xq_block * const * xb, const int nt,
+                                                              float32x4_t (*out)[4]) {
+    const size_t gbb = group_block_bytes(pt), head = group_head_bytes(pt);
+    const bool q4 = nibbles(pt), with_min = pt == PI_PACK_Q41 || pt == PI_PACK_Q4F, f32 = pt == PI_PACK_Q4F || pt == PI_PACK_Q6F;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), sign = vdupq_n_u8(0x80);
+    float32x4_t acc[TILE_T][4];
+    for (int j = 0; j < nt; ++j) {
+        for (int qr = 0; qr < 4; ++qr) acc[j][qr] = vdupq_n_f32(0.0f);
+    }
+    const uint8_t * blk = wg;
+    for (int64_t b = 0; b < n_blocks; ++b, blk += gbb) {
+        for (int qr = 0; qr < 4; ++qr) {
+            const float32x4_t dw = f32 ? vld1q_f32((const float *) blk + 4 * qr)
+                                       : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *) blk + 4 * qr)));
+            const float32x4_t mw = !with_min && pt != PI_PACK_Q6F ? vdupq_n_f32(0.0f)
+                                 : f32 ? vld1q_f32((const float *) blk + PI_PACK_ROWS + 4 * qr)
+                                       : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *) blk + PI_PACK_ROWS + 4 * qr)));
+            const uint8_t * wc = blk + head + 16 * qr;  // chunk c's quarter: wc + 64 c
+            int8x16_t wq[8];
+            if (q4) {
+                for (int c = 0; c < 4; ++c) {
+                    const uint8x16_t raw = vld1q_u8(wc + c * 64);
+                    wq[c]     = vreinterpretq_s8_u8(vandq_u8(raw, m4));
+                    wq[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+                }
+            } else {
+                for (int c = 0; c < 8; ++c) {
+                    const uint8x16_t raw = vld1q_u8(wc + c * 64);
+                    wq[c] = vreinterpretq_s8_u8(pt == PI_PACK_Q8 ? veorq_u8(raw, sign) : raw);
+                }
+            }
+            for (int j = 0; j < nt; ++j) {
+                const struct xq_block * x = xb[j] + b;
+                const int8x16_t xlo = vld1q_s8(x->q), xhi = vld1q_s8(x->q + 16);
+                const float32x4_t dx = vdupq_n_f32(x->d);
+#define PI_DOT4(acc, w, xv)                                                                                   \
+    vdotq_laneq_s32(vdotq_laneq_s32(vdotq_laneq_s32(vdotq_laneq_s32(acc, w[0], xv, 0), w[1], xv, 1), w[2], xv, 2), \
+                    w[3], xv, 3)
+                if (pt == PI_PACK_Q6F) {
+                    const int32x4_t lo = PI_DOT4(vdupq_n_s32(-32 * x->s_lo), wq, xlo);
+                    const int32x4_t hi = PI_DOT4(vdupq_n_s32(-32 * x->s_hi), (wq + 4), xhi);
+                    acc[j][qr] = vfmaq_f32(acc[j][qr], vcvtq_f32_s32(lo), vmulq_f32(dw, dx));
+                    acc[j][qr] = vfmaq_f32(acc[j][qr], vcvtq_f32_s32(hi), vmulq_f32(mw, dx));
+                    continue;
+                }
+                const int32x4_t p0 = PI_DOT4(vdupq_n_s32(pt == PI_PACK_Q8 ? 0 : x->corr), wq, xlo);
+                const int32x4_t p1 = PI_DOT4(vdupq_n_s32(0), (wq + 4), xhi);
+#undef PI_DOT4
+                const int32x4_t p = vaddq_s32(p0, p1);
+                acc[j][qr] = vfmaq_f32(acc[j][qr], vcvtq_f32_s32(p), vmulq_f32(dw, dx));
+                if (with_min) acc[j][qr] = vfmaq_f32(acc[j][qr], mw, vdupq_n_f32(x->ds));
+            }
+        }
+    }
+    for (int j = 0; j < nt; ++j) {
+        for (int qr = 0; qr < 4; ++qr) out[j][qr] = acc[j][qr];
+    }
+}
+
+#define PI_TILE_NT(PT)                                                          \
+    switch (nt) {                                                               \
+        case 1:  group_tile4(PT, wg, n_blocks, xb, 1, acc); break;              \
+        case 2:  group_tile4(PT, wg, n_blocks, xb, 2, acc); break;              \
+        case 3:  group_tile4(PT, wg, n_blocks, xb, 3, acc); break;              \
+        default: group_tile4(PT, wg, n_blocks, xb, TILE_T, acc); break;         \
+    }
+
+static void group_tile_any(enum pi_pack_type pt, const uint8_t * wg, int64_t n_blocks, const struct xq_block * const * xb,
+                           int nt, float32x4_t (*acc)[4]) {
+    switch (pt) {
+        case PI_PACK_Q4:  PI_TILE_NT(PI_PACK_Q4); break;
+        case PI_PACK_Q41: PI_TILE_NT(PI_PACK_Q41); break;
+        case PI_PACK_Q4F: PI_TILE_NT(PI_PACK_Q4F); break;
+        case PI_PACK_Q6F: PI_TILE_NT(PI_PACK_Q6F); break;
+        case PI_PACK_Q5:  PI_TILE_NT(PI_PACK_Q5); break;
+        default:          PI_TILE_NT(PI_PACK_Q8); break;
+    }
+}
+#undef PI_TILE_NT
+#endif
+
 // The weight of row r, element k of a group's block, as the unsigned byte the kernel uses.
 static inline int32_t packed_weight(bool q4, const uint8_t * w, int r, int k) {
     if (!q4) {
@@ -363,8 +603,23 @@ static void matmul_op(struct ggml_tensor * dst, int ith, int nth, void * userdat
             for (int j = 0; j < nt; ++j) {
                 _mm512_storeu_ps((float *) ((char *) dst->data + (t0 + j) * dst->nb[1]) + g * PI_PACK_ROWS, acc[j]);
             }
+#elif defined(PI_PACK_AVX2)
+            __m256 acc[TILE_T][2];
+            group_tile_any(pt, wg, n_blocks, xb, nt, acc);
+            for (int j = 0; j < nt; ++j) {
+                float * o = (float *) ((char *) dst->data + (t0 + j) * dst->nb[1]) + g * PI_PACK_ROWS;
+                _mm256_storeu_ps(o, acc[j][0]);
+                _mm256_storeu_ps(o + 8, acc[j][1]);
+            }
+#elif defined(PI_PACK_NEON)
+            float32x4_t acc[TILE_T][4];
+            group_tile_any(pt, wg, n_blocks, xb, nt, acc);
+            for (int j = 0; j < nt; ++j) {
+                float * o = (float *) ((char *) dst->data + (t0 + j) * dst->nb[1]) + g * PI_PACK_ROWS;
+                for (int qr = 0; qr < 4; ++qr) vst1q_f32(o + 4 * qr, acc[j][qr]);
+            }
 #else
-            // Scalar: the same integer sums and per-block scaling, for builds without VNNI.
+            // Scalar: the same integer sums and per-block fmas, for builds without a kernel.
             const bool q4 = nibbles(pt), f32 = pt == PI_PACK_Q4F || pt == PI_PACK_Q6F;
             const size_t head = group_head_bytes(pt);
             for (int j = 0; j < nt; ++j) {
@@ -380,15 +635,15 @@ static void matmul_op(struct ggml_tensor * dst, int ith, int nth, void * userdat
                             int32_t lo = -32 * x->s_lo, hi = -32 * x->s_hi;
                             for (int k = 0; k < QK / 2; ++k) lo += packed_weight(false, blk + head, r, k) * x->q[k];
                             for (int k = QK / 2; k < QK; ++k) hi += packed_weight(false, blk + head, r, k) * x->q[k];
-                            out[r] += (float) lo * (f[r] * x->d);
-                            out[r] += (float) hi * (f[PI_PACK_ROWS + r] * x->d);
+                            out[r] = fmaf((float) lo, f[r] * x->d, out[r]);
+                            out[r] = fmaf((float) hi, f[PI_PACK_ROWS + r] * x->d, out[r]);
                             continue;
                         }
                         int32_t s = x->corr;
                         for (int k = 0; k < QK; ++k) s += packed_weight(q4, blk + head, r, k) * x->q[k];
-                        out[r] += (float) s * ((f32 ? f[r] : ggml_fp16_to_fp32(d[r])) * x->d);
-                        if (pt == PI_PACK_Q41) out[r] += ggml_fp16_to_fp32(d[PI_PACK_ROWS + r]) * x->ds;
-                        if (pt == PI_PACK_Q4F) out[r] += f[PI_PACK_ROWS + r] * x->ds;
+                        out[r] = fmaf((float) s, (f32 ? f[r] : ggml_fp16_to_fp32(d[r])) * x->d, out[r]);
+                        if (pt == PI_PACK_Q41) out[r] = fmaf(ggml_fp16_to_fp32(d[PI_PACK_ROWS + r]), x->ds, out[r]);
+                        if (pt == PI_PACK_Q4F) out[r] = fmaf(f[PI_PACK_ROWS + r], x->ds, out[r]);
                     }
                 }
             }

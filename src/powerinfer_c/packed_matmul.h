@@ -1,6 +1,7 @@
-// packed_matmul.h - Q4_0 and Q8_0 matmuls on weights packed for AVX-512 VNNI: one 512-bit
-// load holds 4 consecutive weights (8 for Q4_0) of 16 output rows, which vpdpbusd
-// multiplies with 4 broadcast input bytes into 16 row sums at once. They run both decode
+// packed_matmul.h - Q4_0 and Q8_0 matmuls on weights packed for VNNI: one 512-bit load
+// holds 4 consecutive weights (8 for Q4_0) of 16 output rows, which vpdpbusd multiplies with
+// 4 broadcast input bytes into 16 row sums at once (AVX-VNNI and AVX2 read the same chunk as
+// two 256-bit halves of 8 rows, NEON dotprod as four quarters of 4; packed_matmul.c). They run both decode
 // (one token) and batches faster than ggml's x86 kernels on this layout family (ggml has
 // no Q8_0 repack on x86, and its repacked Q4_0 kernels leave bandwidth unused), and the
 // packing from the file's Q4_0/Q8_0 blocks is exact: the same scales and integers.
@@ -41,8 +42,9 @@ enum pi_pack_type {
     PI_PACK_Q6F  = 6,
 };
 
-// Whether this build has the kernels (AVX-512 with VNNI). Without them the matmul still
-// runs (scalar), but callers should keep ggml's types.
+// Whether this level has the kernels (AVX-512 VNNI, AVX-VNNI, AVX2, NEON dotprod). Without
+// them (the scalar levels) the matmul still runs, with the same bits, but slowly: callers
+// should keep ggml's types.
 bool pi_pack_available(void);
 
 // Whether a ggml weight of this type and shape [n_cols, n_rows] packs exactly (Q4_0, Q4_1,
