@@ -10,6 +10,7 @@
 // visits every cell of the cache for every query head (skipping masked ones one by one),
 // converts Q to fp16 and accumulates V in fp16; this reads each K and V row once per head
 // group and only for the token's cells.
+#include "kernel_variant.h"  // first: this file is built once per ISA level
 #include "powerinfer-impl.h"
 
 #include <math.h>
@@ -17,8 +18,24 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+
+// This file is built once per ISA level (kernel_variant.h). The AVX-512 and AVX2 (+FMA,
+// F16C) helpers below do the same operations per element in the fp16 conversion, in
+// block_mix (one fma per cell, cells in order) and in the exponential; the dot products'
+// and the softmax sum's lane counts (16 against 8) and so their summation orders differ, as
+// does the scalar fallback's (unfused where the compiler does not contract). So results are
+// batch-, tile- and thread-invariant within a level, not bitwise equal across levels.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PI_ATTN_AVX2 1
+
+// Lanes [0, n) of 8 set (n may be <= 0 or > 8), for masked loads and stores.
+static inline __m256i lanes_below(int64_t n) {
+    const int32_t c = n < 0 ? 0 : n > 8 ? 8 : (int32_t) n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 // Cells are taken in blocks of PI_ATTN_BLOCK: a block's K (then V) rows are turned into
@@ -59,6 +76,19 @@ static inline __m512 sum16(const __m512 v[16]) {
     const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
+#elif defined(PI_ATTN_AVX2)
+// r[c] = the sum of the 8 lanes of v[c], c = 0..7, in one fixed order (as sum16, on halves).
+static inline __m256 sum8(const __m256 v[8]) {
+    __m256 u[4], x[2];
+    for (int k = 0; k < 4; ++k) {
+        u[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    }
+    for (int m = 0; m < 2; ++m) {
+        const __m256d a = _mm256_castps_pd(u[2 * m]), b = _mm256_castps_pd(u[2 * m + 1]);
+        x[m] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
 #endif
 
 // buf[c * dv + k] <- row cells[c], KV head g, element k of the f16 cache c as fp32, for
@@ -71,6 +101,10 @@ static void load_block(const struct ggml_tensor * c, const int32_t * cells, int3
 #if defined(__AVX512F__)
         for (; i + 16 <= d; i += 16) {
             _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (src + i))));
+        }
+#elif defined(PI_ATTN_AVX2)
+        for (; i + 8 <= d; i += 8) {
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (src + i))));
         }
 #endif
         for (; i < d; ++i) {
@@ -98,6 +132,22 @@ static void block_scores(const float * q, const float * buf, int32_t n, int64_t 
     }
     const __mmask16 m = n >= 16 ? 0xFFFF : (__mmask16) ((1u << n) - 1);
     _mm512_mask_storeu_ps(s, m, _mm512_mul_ps(_mm512_set1_ps(scale), sum16(acc)));
+#elif defined(PI_ATTN_AVX2)
+    const int64_t kend = (d + 7) / 8 * 8;  // <= dv; buf is zero from d on
+    for (int32_t c0 = 0; c0 < n; c0 += 8) {
+        const int32_t nc = n - c0 < 8 ? n - c0 : 8;
+        __m256 acc[8];
+        for (int32_t c = 0; c < 8; ++c) {
+            acc[c] = _mm256_setzero_ps();
+        }
+        for (int64_t k = 0; k < kend; k += 8) {
+            const __m256 qk = _mm256_maskload_ps(q + k, lanes_below(d - k));
+            for (int32_t c = 0; c < nc; ++c) {
+                acc[c] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(buf + (size_t) (c0 + c) * dv + k), acc[c]);
+            }
+        }
+        _mm256_maskstore_ps(s + c0, lanes_below(nc), _mm256_mul_ps(_mm256_set1_ps(scale), sum8(acc)));
+    }
 #else
     (void) dv;
     for (int32_t c = 0; c < n; ++c) {
@@ -120,6 +170,16 @@ static void block_mix(float * out, const float * p, const float * buf, int32_t n
             a = _mm512_fmadd_ps(_mm512_set1_ps(p[c]), _mm512_loadu_ps(buf + (size_t) c * dv + k), a);
         }
         _mm512_mask_storeu_ps(out + k, m, a);
+    }
+#elif defined(PI_ATTN_AVX2)
+    (void) dv;
+    for (int64_t k = 0; k < d; k += 8) {
+        const __m256i m = lanes_below(d - k);
+        __m256 a = _mm256_maskload_ps(out + k, m);
+        for (int32_t c = 0; c < n; ++c) {
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[c]), _mm256_loadu_ps(buf + (size_t) c * dv + k), a);
+        }
+        _mm256_maskstore_ps(out + k, m, a);
     }
 #else
     for (int64_t k = 0; k < d; ++k) {
@@ -150,6 +210,29 @@ static inline __m512 exp_nonpos(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, k);
 }
+#elif defined(PI_ATTN_AVX2)
+// exp_nonpos on 8 lanes, the same operations; p * 2^k (vscalefps) as two exact-then-rounded
+// multiplications: p * 2^k1 with k1 = max(k, -125) is exact (p >= 0.7 keeps it normal),
+// then times 2^k2, k2 = max(k - k1, -126), rounds once, as vscalefps does; below k = -251
+// both give 0.
+static inline __m256 exp_nonpos8(__m256 x) {
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i ki = _mm256_cvtps_epi32(k);  // integral already: exact (INT_MIN far below -251)
+    const __m256i k1 = _mm256_max_epi32(ki, _mm256_set1_epi32(-125));
+    const __m256i k2 = _mm256_max_epi32(_mm256_sub_epi32(ki, k1), _mm256_set1_epi32(-126));
+    const __m256  e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, _mm256_set1_epi32(127)), 23));
+    const __m256  e2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, e1), e2);
+}
 #endif
 
 // s[0..n) <- softmax(s), in place, fp32.
@@ -170,6 +253,18 @@ static void softmax(float * s, int32_t n) {
         acc = _mm512_mask_add_ps(acc, k, acc, e);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(PI_ATTN_AVX2)
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i < n; i += 8) {
+        const __m256i k = lanes_below(n - i);
+        const __m256  e = exp_nonpos8(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), vm));
+        _mm256_maskstore_ps(s + i, k, e);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; i < n; ++i) {
         s[i] = expf(s[i] - m);
