@@ -1,5 +1,9 @@
 """The input-sparse product (src/powerinfer_c/input_sparse.c) against numpy, through the
-build/bin/test-input-sparse driver (the operator is internal to the core).
+build/bin/test-input-sparse-<level> drivers (the operator is internal to the core), one per
+kernel level (tests/kernel_levels.py): every level this CPU executes, a missing driver of one
+failing; on x86-64 also the aarch64 levels, cross-built by scripts/build_aarch64.sh and run
+under qemu-aarch64 (required where POWERINFER_REQUIRE_AARCH64=1, as in CI). The tests that
+are not parametrized by driver run the level the library picks on this CPU.
 
 The column copy must hold the file's weights exactly: its rows equal ggml's own
 dequantization bit for bit. The product keeps x[j] when |x[j]| > tau and quantizes the kept
@@ -22,27 +26,26 @@ the scalar kernels (bit-equal to the SIMD ones) are checked exactly.
 from __future__ import annotations
 
 import struct
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DRIVER = ROOT / "build" / "bin" / "test-input-sparse"
-PORTABLE = ROOT / "build" / "bin" / "test-input-sparse-portable"
-DRIVERS = [DRIVER] + ([PORTABLE] if PORTABLE.exists() else [])
+import kernel_levels
+
+KIND = "test-input-sparse"
+DRIVERS = kernel_levels.driver_targets(KIND)  # each kernel level's driver, and how to run it
 EPS32 = float(np.finfo(np.float32).eps)
 
 # ggml's type ids (ggml.h)
 TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
 UNIT = {"q6_K": 16}  # columns per (a, b); 32 for the others
 
-pytestmark = pytest.mark.skipif(not DRIVER.exists(), reason="build/bin/test-input-sparse not built (cmake --build build)")
 
-
-def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER):
-    """segs: [(type, W float32 [rows, n_in])]. Returns the driver's outputs."""
+def _run(tmp_path, segs, x, tau, threads=2, driver=None):
+    """segs: [(type, W float32 [rows, n_in])]; driver: a kernel_levels.Target (default: the
+    level the library picks here). Returns the driver's outputs."""
+    driver = driver or kernel_levels.best_target(KIND)
+    driver.require()
     n_in = x.shape[1]
     T = x.shape[0]
     src = tmp_path / "in.bin"
@@ -55,7 +58,7 @@ def _run(tmp_path, segs, x, tau, threads=2, driver=DRIVER):
         for _, w in segs:
             f.write(w.astype("<f4").tobytes())
         f.write(x.astype("<f4").tobytes())
-    subprocess.run([str(driver), str(threads), str(src), str(dst)], check=True, timeout=120)
+    driver.run(threads, src, dst, timeout=120)  # the timeout scales under emulation
     raw = dst.read_bytes()
     (n_out,) = struct.unpack_from("<q", raw, 0)
     off = 8
@@ -130,7 +133,7 @@ def _inputs(rng, T, n_in):
 
 
 @pytest.mark.parametrize("wtype", list(TYPE_IDS))
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 def test_each_type_exact_copy_and_product(tmp_path, wtype, driver):
     rng = np.random.default_rng(TYPE_IDS[wtype])
     n_in = 512
@@ -141,7 +144,7 @@ def test_each_type_exact_copy_and_product(tmp_path, wtype, driver):
     _check(out, x, tau, UNIT.get(wtype, 32), [wtype])
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 def test_mixed_group_like_q_k_v(tmp_path, driver):
     # q, k, v of Q4_K_M: Q4_K, Q4_K and Q6_K (16-column units: the whole group goes by 16).
     rng = np.random.default_rng(7)
@@ -153,7 +156,7 @@ def test_mixed_group_like_q_k_v(tmp_path, driver):
     _check(out, x, tau, 16, [t for t, _ in segs])
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 def test_mixed_group_of_k_and_32_blocks(tmp_path, driver):
     # a K-quant beside a 32-block type: the input is quantized per 32, float scales per unit
     rng = np.random.default_rng(8)
@@ -165,7 +168,7 @@ def test_mixed_group_of_k_and_32_blocks(tmp_path, driver):
     _check(out, x, tau, 16, [t for t, _ in segs])
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 def test_tall_group_cut_into_row_pieces(tmp_path, driver):
     # 64 tiles of 128 rows over 2 super-blocks: few column pieces, so each is cut by rows too
     rng = np.random.default_rng(12)
@@ -215,7 +218,7 @@ def test_nan_reaches_its_token_only(tmp_path):
 
 
 @pytest.mark.parametrize("rows", [160, 256], ids=["padded", "whole-tiles"])
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 def test_very_long_columns_cut_into_row_pieces_only(tmp_path, driver, rows):
     # an LM head's shape (more than 512 tiles, here 513 + 2 over two segments): the pieces
     # are row pieces only, as many as the threads or more, all sharing one partial plane;
