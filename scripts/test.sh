@@ -22,6 +22,22 @@ if [ "${POWERINFER_VULKAN:-1}" != 0 ]; then
     fi
 fi
 
+# The aarch64 kernel levels (scalar, dotprod), cross-built on x86-64 for tests/test_input_sparse.py
+# and tests/test_sparse_ops.py, which run them under qemu-aarch64 (scripts/build_aarch64.sh; its
+# ggml is built once and cached, the cross tools are apt packages, installed when running as
+# root). Without them those levels are skipped, unless POWERINFER_REQUIRE_AARCH64=1 (CI) makes
+# that an error. POWERINFER_AARCH64=0 leaves them out.
+if [ "${POWERINFER_AARCH64:-1}" != 0 ] && [ "$(uname -m)" = x86_64 ]; then
+    printf '\n==> %s\n' "aarch64 kernel test drivers (scripts/build_aarch64.sh)"
+    if ! ./scripts/build_aarch64.sh; then
+        if [ "${POWERINFER_REQUIRE_AARCH64:-0}" = 1 ]; then
+            echo "error: the aarch64 test drivers could not be built (POWERINFER_REQUIRE_AARCH64=1)" >&2
+            exit 1
+        fi
+        echo "warning: no aarch64 test drivers: the aarch64 kernel levels will not be tested" >&2
+    fi
+fi
+
 printf '\n==> %s\n' "test assets (models + llama.cpp tokenizer fixtures)"
 .venv/bin/python -m powerinfer_py.assets.models fetch all
 .venv/bin/python -m powerinfer_py.assets.models vocab-fixtures
