@@ -1,6 +1,14 @@
 """The sparse FFN operators (src/powerinfer_c/sparse_ops.c) against a numpy reference,
-for every weight type the sparse path promises, through the build/bin/test-sparse-ops
-driver (the operators are internal to the core).
+for every weight type the sparse path promises, through the build/bin/test-sparse-ops-<level>
+drivers (the operators are internal to the core), one per kernel level (tests/kernel_levels.py:
+x86 scalar, avx2, avxvnni, avx512; aarch64 scalar, dotprod). Every level this CPU executes is
+tested, and a missing driver for such a level fails (CI must not pass on tests that did not
+run where they can); levels the CPU cannot execute are skipped. On x86-64 the aarch64 levels
+run too, cross-built by scripts/build_aarch64.sh and run under qemu-aarch64 (required where
+POWERINFER_REQUIRE_AARCH64=1, as in CI). Across the levels of one architecture, the AXPY and
+the packed matmul give the same bits (their per-element fma order is fixed); the row dot
+products only agree within the bounds below (their float summation order follows the level's
+vector width).
 
 Tolerances are derived, not tuned: the reference uses the weights exactly as the
 operator sees them (quantized, then dequantized by ggml), so the row-sparse matvec's
@@ -16,23 +24,18 @@ Summed with the weights: |out - ref| <= sum_j |w_j| * err_j, plus float32 accumu
 from __future__ import annotations
 
 import struct
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DRIVER = ROOT / "build" / "bin" / "test-sparse-ops"
-# The same operators built for a baseline x86-64 CPU: their portable paths (x86 builds only).
-PORTABLE = ROOT / "build" / "bin" / "test-sparse-ops-portable"
-DRIVERS = [DRIVER] + ([PORTABLE] if PORTABLE.exists() else [])
+import kernel_levels
+
+KIND = "test-sparse-ops"
+DRIVERS = kernel_levels.driver_targets(KIND)  # each kernel level's driver, and how to run it
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_K", "q6_K"]
 K_QUANTS = {"q4_K", "q6_K"}
 EPS32 = np.finfo(np.float32).eps
-
-pytestmark = pytest.mark.skipif(not DRIVER.exists(), reason="build/bin/test-sparse-ops not built (cmake --build build)")
 
 
 def _input_error_bound(x: np.ndarray, wtype: str) -> np.ndarray:
@@ -49,7 +52,9 @@ def _input_error_bound(x: np.ndarray, wtype: str) -> np.ndarray:
     return np.broadcast_to(d * slack, x.reshape(x.shape[0], -1, block).shape).reshape(x.shape)
 
 
-def _run(tmp_path, wtype, threads, w, x, h, active, driver=DRIVER):
+def _run(tmp_path, wtype, threads, w, x, h, active, driver):
+    """driver: a kernel_levels.Target."""
+    driver.require()
     n_ff, n_embd = w.shape
     n_tok = x.shape[0]
     src = tmp_path / f"in-{wtype}-{threads}.bin"
@@ -61,7 +66,7 @@ def _run(tmp_path, wtype, threads, w, x, h, active, driver=DRIVER):
         f.write(h.astype("<f4").tobytes())
         f.write(struct.pack("<i", len(active)))
         f.write(np.asarray(active, dtype="<i4").tobytes())
-    subprocess.run([str(driver), wtype, str(threads), str(src), str(dst)], check=True, timeout=120)
+    driver.run(wtype, threads, src, dst, timeout=120)  # the timeout scales under emulation
     out = np.fromfile(dst, dtype="<f4")
     exact = wtype in ("q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K")
     sizes = [n_ff * n_embd, n_tok * n_ff, n_tok * n_embd, n_tok * n_embd if n_tok <= 8 else 0, n_tok * n_ff,
@@ -85,7 +90,7 @@ def _problem(seed, n_embd=512, n_ff=384, n_tok=3, frac_active=0.15):
     return w, x, h, active
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("n_tok", [1, 3])  # one token: the fused Q4_0/Q8_0 AXPY kernels
 @pytest.mark.parametrize("wtype", TYPES)
 def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok, driver):
@@ -111,7 +116,7 @@ def test_sparse_ops_match_numpy(tmp_path, wtype, n_tok, driver):
     assert np.all(np.abs(down - ref_down) <= bound_down)
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("n_tok", [1, 3])
 @pytest.mark.parametrize("wtype", ["f32", "q8_0", "q4_0", "q4_K"])
 def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok, driver):
@@ -121,7 +126,7 @@ def test_fused_ffn_matches_numpy(tmp_path, wtype, n_tok, driver):
     _check_fused(tmp_path, wtype, n_tok, driver, n_embd=512)
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("wtype", ["f16", "q4_K"])
 def test_fused_ffn_long_rows(tmp_path, wtype, driver):
     """Rows longer than the AXPY's dequantization piece (PI_AXPY_PIECE = 1024 elements):
@@ -148,7 +153,7 @@ def _q8_0_error_bound(a: np.ndarray) -> np.ndarray:
     return _input_error_bound(a.reshape(-1, a.shape[-1]), "q8_0").reshape(a.shape)
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("n_tok", [1, 3, 9])
 def test_packed_matmul_matches_numpy(tmp_path, n_tok, driver):
     """The Q8_0x16 matmul (packed_matmul.c): float W packed (quantized to Q8_0 per 32
@@ -165,7 +170,7 @@ def test_packed_matmul_matches_numpy(tmp_path, n_tok, driver):
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
 
 
-@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.name)
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("n_tok", [1, 5])
 @pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K"])
 def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
@@ -182,40 +187,68 @@ def test_exact_packing_matches_the_weights(tmp_path, wtype, n_tok, driver):
     assert np.sqrt(np.mean(diff**2) / np.mean(ref**2)) < 2e-2
 
 
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
 @pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K"])
-def test_packed_columns_do_not_depend_on_the_batch(tmp_path, wtype):
+def test_packed_columns_do_not_depend_on_the_batch(tmp_path, wtype, driver):
     """Each token of a batch gets, bit for bit, what it gets alone: the packed kernels run
     tiles of 1 to 4 tokens, each compiled apart (ParallelLlama's streams equal their solo
     runs only if a column's result never depends on its batch or its place in a tile)."""
     w, x, h, active = _problem(seed=41, n_tok=9)
-    _run(tmp_path, wtype, 2, w, x, h, active)
+    _run(tmp_path, wtype, 2, w, x, h, active, driver)
     batched = (_run.exact.copy(), _run.packed.copy())
     for t in range(x.shape[0]):
         for n in (1, 2, 3):  # token t alone, and first of a tile of 2 and 3
             if t + n > x.shape[0]:
                 break
-            _run(tmp_path, wtype, 2, w, x[t : t + n], h[t : t + n], active)
+            _run(tmp_path, wtype, 2, w, x[t : t + n], h[t : t + n], active, driver)
             assert np.array_equal(_run.exact[0], batched[0][t]), (wtype, t, n)
             assert np.array_equal(_run.packed[0], batched[1][t]), (wtype, t, n)
 
 
-@pytest.mark.parametrize("wtype", ["q4_0", "f16"])
-def test_thread_counts_agree_bitwise(tmp_path, wtype):
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0", "f16"])
+def test_thread_counts_agree_bitwise(tmp_path, wtype, driver):
     w, x, h, active = _problem(seed=7)
     results = []
     for t in (1, 2, 3):
-        results.append(_run(tmp_path, wtype, t, w, x, h, active) + (_run.fused, _run.packed))
+        results.append(_run(tmp_path, wtype, t, w, x, h, active, driver) + (_run.fused, _run.packed))
     for r in results[1:]:
         for a, b in zip(r[1:], results[0][1:]):
             assert np.array_equal(a, b)
 
 
-def test_empty_and_full_active_sets(tmp_path):
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda t: t.id)
+def test_empty_and_full_active_sets(tmp_path, driver):
     w, x, h, _ = _problem(seed=3, n_tok=1)
-    _, up, down = _run(tmp_path, "q8_0", 3, w, x, h, np.array([], dtype=np.int32))
+    _, up, down = _run(tmp_path, "q8_0", 3, w, x, h, np.array([], dtype=np.int32), driver)
     assert np.all(up == 0) and np.all(down == 0)
     everything = np.arange(w.shape[0], dtype=np.int32)
     h_all = np.abs(h) + 0.5
-    wd, up, down = _run(tmp_path, "f32", 3, w, x, h_all, everything)
+    wd, up, down = _run(tmp_path, "f32", 3, w, x, h_all, everything, driver)
     np.testing.assert_allclose(up[0], wd @ x[0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(down[0], h_all[0] @ wd, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 3])
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0", "q4_K", "f16"])
+def test_levels_agree_bitwise(tmp_path, wtype, n_tok):
+    """What the kernels promise across levels: the AXPY (down) is one fma per element and
+    row, rows in order, at every level (SIMD or scalar); the packed matmuls (packed, exact)
+    sum each row's integers exactly and scale them by the same fmas per block. So every
+    level this CPU runs gives the same bits for them (the row dot products, up, need not)."""
+    w, x, h, active = _problem(seed=51 + n_tok, n_tok=n_tok)
+    ran = 0
+    for arch in dict.fromkeys(t.arch for t in DRIVERS):  # within one architecture: ggml's own
+        results = {}  # quantization and dequantization may round differently on another
+        for driver in DRIVERS:
+            if driver.arch == arch and not driver.unrunnable and (driver.required or driver.path.exists()):
+                _, _, down = _run(tmp_path, wtype, 2, w, x, h, active, driver)  # a required one fails if missing
+                results[driver.id] = (down, _run.packed, _run.exact)
+        first, ref = next(iter(results.items()), (None, None))
+        for name, got in results.items():
+            for what, a, b in zip(("down", "packed", "exact"), got, ref):
+                if b is not None:
+                    assert np.array_equal(a, b), f"{wtype}: {what} of {name} differs from {first}"
+        ran += len(results)
+    if ran < 2:
+        pytest.skip("fewer than two levels run here")
