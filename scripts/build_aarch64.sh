@@ -5,7 +5,7 @@
 #
 #  1. ggml (ggml-base, ggml-cpu, ggml; no libllama, no RPC, no OpenMP) from the pinned
 #     llama-cpp-python sdist's sources, for a generic armv8-a CPU (GGML_NATIVE=OFF), into
-#     $POWERINFER_CACHE/aarch64-ggml-<key>/ (built once, ~1.5 min on 2 cores; then reused);
+#     $POWERINFER_CACHE/aarch64-ggml-<key>/ (built once, about 2 min on 2 busy cores; then reused);
 #  2. our drivers test-input-sparse-<level> and test-sparse-ops-<level> for every aarch64
 #     level, in build-aarch64/ (cmake/aarch64-linux-gnu.cmake; vendor/ggml/find_ggml.cmake
 #     pointed at that ggml by POWERINFER_GGML_ROOT). Neither the library nor `main` is built.
@@ -111,7 +111,7 @@ fi
 if [ -f "$GGML/lib/cmake/ggml/ggml-config.cmake" ] && [ -f "$GGML/build-time.txt" ]; then
     note "cached ($(cat "$GGML/build-time.txt"))"
 else
-    note "building from the llama-cpp-python $LLAMA_VERSION sdist; about 1.5 min on 2 cores, once"
+    note "building from the llama-cpp-python $LLAMA_VERSION sdist; about 2 min on 2 cores, once"
     start=$(date +%s)
     if ! printf '%s  %s\n' "$LLAMA_SDIST_SHA256" "$SDIST" | sha256sum -c --status 2>/dev/null; then
         [ -x "$VPY" ] || die "$SDIST is not cached and there is no $VPY to download it: run scripts/setup.sh first"
