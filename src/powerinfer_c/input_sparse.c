@@ -3,18 +3,27 @@
 // and quantizes their inputs, `product` runs the columns. Each thread of the product owns
 // whole tiles of output rows, and a row's sum runs over the chunks in column order, so
 // results depend neither on the thread count nor on the rest of the batch.
+#include "kernel_variant.h"  // first: this file is built once per ISA level
 #include "input_sparse.h"
+#include "kernel_levels.h"
 
 #include "ggml-cpu.h"
 
 #include <math.h>
 #include <string.h>
-#if defined(__SSE__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
+// The kernels of this build (kernel_variant.h: one build per ISA level): AVX-512 VNNI, AVX2
+// (with 256-bit VNNI where the CPU has AVX-VNNI), or scalar. All give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define PI_CM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PI_CM_AVX2 1
+#endif
+#if defined(PI_CM_VNNI) || defined(PI_CM_AVX2)
+#define PI_CM_SIMD 1
 #endif
 
 #define QK   32
@@ -446,6 +455,16 @@ static inline int64_t rec_len(int64_t C, int64_t T) { return 1 + C + (C / 4) * T
 
 static inline int32_t round_away(float v) { return (int32_t) (v >= 0.0f ? v + 0.5f : v - 0.5f); }  // roundf
 
+// The sum of 16 floats in a fixed tree (v[i] + v[i + 8], then + 4, then (0 + 2) + (1 + 3)), the
+// order of gcc's _mm512_reduce_add_ps: every level sums a chunk's kept inputs this way, so
+// they all give the same bits.
+static inline float sum16(const float * v) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; ++i) a[i] = v[i + 8] + v[i];
+    for (int i = 0; i < 4; ++i) b[i] = a[i + 4] + a[i];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 struct prep_view {
     int32_t * base;
     int64_t   R;         // int32 per record
@@ -538,7 +557,9 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                     if (kmode) {
                         s8v = _mm512_add_epi32(s8v, qi);
                     } else {
-                        sum += _mm512_mask_reduce_add_ps(kt, xv);
+                        float kx[16];
+                        _mm512_storeu_ps(kx, _mm512_maskz_mov_ps(kt, xv));
+                        sum += sum16(kx);
                     }
                     const int pos = __builtin_popcount(any & ((1u << l) - 1));
                     _mm_storeu_si128((__m128i *) (q + pos), _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(ku, qi)));
@@ -551,8 +572,14 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
                         const float v = xt[j] * id;
                         const int32_t q8 = isfinite(v) ? round_away(v) : 0;
                         q[i] = (int8_t) q8;
-                        sum += xt[j];
                         sum8 += q8;
+                    }
+                }
+                if (!kmode) {
+                    for (int64_t l = 0; l < C; l += 16) {
+                        float kx[16];
+                        for (int i = 0; i < 16; ++i) kx[i] = keep[t] >> (l + i) & 1 ? xt[j0 + l + i] : 0.0f;
+                        sum += sum16(kx);
                     }
                 }
 #endif
@@ -776,6 +803,51 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
     }
 }
 
+#ifdef PI_CM_SIMD
+// The per-chunk scales of column j's sub-block (K: 6-bit per 32 columns; 6K: int8 per 16).
+static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) {
+    const size_t rows = (size_t) (s->n_tiles * TILE);
+    return s->sc + (s->scales == PI_CM_6K ? (size_t) (j / 16) * rows : sc_group(rows, j / QK, 0));
+}
+
+// Groups of 4 columns per pass over acc, at most: one pass covers a Q6_K chunk of 16, half
+// a 32-column one. Each pass loads and stores (or folds) the sums once, so fewer passes are
+// less work per kept column. Measured on Qwen2.5-1.5B's groups (bench-input-sparse, 2 EPYC
+// cores, 4 groups against 2): down Q4_K at 40% 0.150-0.164 ms against 0.165-0.180, at 50%
+// 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
+// gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
+#define PI_CM_PASS_GROUPS 4
+
+// A pass's prefetches at tile ti of [ta, tz): PI_CM_PREFETCH_TILES tiles ahead, these
+// columns' later tiles (p), then the next pass's first (q: npf columns), with the scales of
+// the chunk they belong to (for the fold at its last pass).
+static inline __attribute__((always_inline)) void pass_prefetch(const struct pi_colmat_seg * s, const int BITS, const int NG,
+                                                                const uint8_t * const * p, const uint8_t * const * q, int npf,
+                                                                const int32_t * cols, const int32_t * pf, int64_t ti,
+                                                                int64_t ta, int64_t tz) {
+    const int64_t ahead = ti + (tz - ta < PI_CM_PREFETCH_TILES ? tz - ta : PI_CM_PREFETCH_TILES);
+    const bool here = ahead < tz;
+    const int64_t tp = here ? ahead : ta + (ahead - tz);
+    const uint8_t * const * src = here ? p : q;
+    const int n = here ? 4 * NG : (tp < tz ? npf : 0);
+    const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
+    for (int i = 0; i < n; ++i) {
+        _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
+        if (BITS == 8) _mm_prefetch((const char *) src[i] + plo + 64, _MM_HINT_T1);
+        if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) _mm_prefetch((const char *) src[i] + phi, _MM_HINT_T1);
+    }
+#if PI_CM_SCALE_PREFETCH
+    if (n > 0 && s->sc) {
+        const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (s->scales == PI_CM_6K ? (size_t) (tp * TILE) : k6_bytes(tp * TILE));
+        _mm_prefetch((const char *) sp, _MM_HINT_T1);
+        _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
+    }
+#endif
+}
+
+
+#endif
+
 #ifdef PI_CM_VNNI
 // ---- AVX-512 VNNI kernels --
 
@@ -813,12 +885,6 @@ static inline __attribute__((always_inline)) void half_w(const uint8_t * const *
     w[3] = _mm512_unpackhi_epi16(a1, b1);
 }
 
-// The per-chunk scales of column j's sub-block (K: 6-bit per 32 columns; 6K: int8 per 16).
-static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) {
-    const size_t rows = (size_t) (s->n_tiles * TILE);
-    return s->sc + (s->scales == PI_CM_6K ? (size_t) (j / 16) * rows : sc_group(rows, j / QK, 0));
-}
-
 // A group of 16 rows' 6-bit scales (12 bytes at p) as 16 int32. Word i takes the two bytes
 // that hold bits 6i .. 6i + 5 and shifts them down (AVX512BW: any AVX-512 CPU that runs
 // these kernels).
@@ -844,14 +910,6 @@ static inline __m512i k_min8(const uint8_t * p) {
     v = _mm512_ternarylogic_epi64(_mm512_set1_epi64(0x3F003F003F003F00LL), _mm512_slli_epi64(v, 2), v, 0xCA);
     return _mm512_and_si512(v, _mm512_set1_epi8(63));
 }
-
-// Groups of 4 columns per pass over acc, at most: one pass covers a Q6_K chunk of 16, half
-// a 32-column one. Each pass loads and stores (or folds) the sums once, so fewer passes are
-// less work per kept column. Measured on Qwen2.5-1.5B's groups (bench-input-sparse, 2 EPYC
-// cores, 4 groups against 2): down Q4_K at 40% 0.150-0.164 ms against 0.165-0.180, at 50%
-// 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
-// gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
-#define PI_CM_PASS_GROUPS 4
 
 // Sixteen rows' sums v of token t: stored into acc at a, or (fold) folded into t's
 // super-block sums, tsum[i] (+)= sc * v with sc the rows' scales at scp + r (Q6_K: sc * (v -
@@ -894,29 +952,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
     for (int g = 0; g < NG; ++g) x0[g] = _mm512_set1_epi32(x4[g * T]);
     for (int64_t ti = ta; ti < tz; ++ti) {
         const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
-        // PI_CM_PREFETCH_TILES tiles ahead: these columns' later tiles, then the next pass's first
-        {
-            const int64_t ahead = ti + (tz - ta < PI_CM_PREFETCH_TILES ? tz - ta : PI_CM_PREFETCH_TILES);
-            const bool here = ahead < tz;
-            const int64_t tp = here ? ahead : ta + (ahead - tz);
-            const uint8_t * const * src = here ? p : q;
-            const int n = here ? 4 * NG : (tp < tz ? npf : 0);
-            const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
-            for (int i = 0; i < n; ++i) {
-                _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
-                if (BITS == 8) _mm_prefetch((const char *) src[i] + plo + 64, _MM_HINT_T1);
-                if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) _mm_prefetch((const char *) src[i] + phi, _MM_HINT_T1);
-            }
-#if PI_CM_SCALE_PREFETCH
-            // the per-chunk scales (K: per 32 columns; 6K: per 16) of the chunk whose columns
-            // these are, for the fold at that chunk's last pass
-            if (n > 0 && s->sc) {
-                const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (six ? (size_t) (tp * TILE) : k6_bytes(tp * TILE));
-                _mm_prefetch((const char *) sp, _MM_HINT_T1);
-                _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
-            }
-#endif
-        }
+        pass_prefetch(s, BITS, NG, p, q, npf, cols, pf, ti, ta, tz);
         for (int h = 0; h < 2; ++h) {
             const int64_t r = ti * TILE + h * HALF;
             if (r >= s->n_rows) break;
@@ -949,31 +985,6 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                 }
             }
         }
-    }
-}
-
-// One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]).
-static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
-                        int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
-                        bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
-    for (int k = 0; k < cm->n_segs; ++k) {
-        const struct pi_colmat_seg * s = &cm->seg[k];
-        int64_t ta, tz;
-        seg_tiles(cm, k, ga, gb, &ta, &tz);
-        if (ta >= tz) continue;
-#define PI_CM_NG(B, N) \
-        if (fold) groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
-        else      groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz);
-#define PI_CM_CASE(B) \
-        switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
-        switch (s->bits) {
-            case 4:  PI_CM_CASE(4); break;
-            case 5:  PI_CM_CASE(5); break;
-            case 6:  PI_CM_CASE(6); break;
-            default: PI_CM_CASE(8); break;
-        }
-#undef PI_CM_CASE
-#undef PI_CM_NG
     }
 }
 
@@ -1099,7 +1110,368 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
     }
 }
 
-static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
+#endif
+
+#ifdef PI_CM_AVX2
+// ---- AVX2 kernels (256-bit; vpdpbusd where the CPU has AVX-VNNI) --
+//
+// The same tile layout as the AVX-512 kernels, read 32 positions at a time: part P of half h
+// holds positions 32P .. 32P + 31, and after the unpacks register m holds rows
+// 16m + 8P .. 16m + 8P + 7 of the half. The integer sums are exact at every level, so the
+// folds, which run the scalar kernels' float operations in their order, give their bits.
+//
+// Without VNNI a group's u8 x s8 products go through vpmaddubsw, whose 16-bit pair sums
+// saturate above 32767: q of 4 and 5 bits (at most 31, times |x8| <= 127) keep a pass's four
+// groups within 16 bits (4 * 2 * 31 * 127 = 31496), 6 bits two groups, and 8 bits (Q8_0,
+// q up to 255) go signed: (q - 128) * x8 through the sign trick, plus 128 * sum(x8).
+
+// 32 q of part P of half h of one column's tile, as bytes in position order.
+static inline __attribute__((always_inline)) __m256i part_u8(const uint8_t * lo, const uint8_t * hi, const int BITS,
+                                                             const int h, const int P) {
+    if (BITS == 8) {
+        return _mm256_loadu_si256((const __m256i *) (lo + 64 * h + 32 * P));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (lo + 32 * P));
+    const __m256i u = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if (BITS == 6) {
+        // pack_hi2: bits 4-5 of position 64h + 32P + i at bit 2 * (2h + P) of byte i
+        const __m256i b = _mm256_loadu_si256((const __m256i *) hi);
+        const int sh = 2 * (2 * h + P);
+        const __m256i t = sh <= 4 ? _mm256_slli_epi16(b, 4 - sh) : _mm256_srli_epi16(b, sh - 4);
+        return _mm256_or_si256(u, _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+    }
+    if (BITS == 5) {
+        // bit 4 of the half's positions, a 64-bit mask: its bits 32P .. 32P + 31 spread to bytes
+        uint32_t m32;
+        memcpy(&m32, hi + 8 * h + 4 * P, 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int) m32),
+                                                   _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return u;
+}
+
+// The q of part P of half h of 4 columns interleaved: w[m] lane i holds the 4 columns' q of
+// row 16m + 8P + i.
+static inline __attribute__((always_inline)) void part_w(const uint8_t * const * p, size_t lo, size_t hi, const int BITS,
+                                                         const int h, const int P, __m256i * w) {
+    const __m256i u0 = part_u8(p[0] + lo, p[0] + hi, BITS, h, P), u1 = part_u8(p[1] + lo, p[1] + hi, BITS, h, P);
+    const __m256i u2 = part_u8(p[2] + lo, p[2] + hi, BITS, h, P), u3 = part_u8(p[3] + lo, p[3] + hi, BITS, h, P);
+    const __m256i a0 = _mm256_unpacklo_epi8(u0, u1), a1 = _mm256_unpackhi_epi8(u0, u1);
+    const __m256i b0 = _mm256_unpacklo_epi8(u2, u3), b1 = _mm256_unpackhi_epi8(u2, u3);
+    w[0] = _mm256_unpacklo_epi16(a0, b0);
+    w[1] = _mm256_unpackhi_epi16(a0, b0);
+    w[2] = _mm256_unpacklo_epi16(a1, b1);
+    w[3] = _mm256_unpackhi_epi16(a1, b1);
+}
+
+// Groups whose 16-bit pair sums can be added before widening (see above); 8 bits: each alone.
+static inline int groups_per_widen(const int BITS) { return BITS <= 5 ? PI_CM_PASS_GROUPS : BITS == 6 ? 2 : 1; }
+
+// s += sum over groups [g0, g1) of w[g] . x[g] per 32-bit lane (u8 q times the group's 4 s8
+// inputs), exactly.
+static inline __attribute__((always_inline)) __m256i dot_groups(__m256i s, const __m256i * w, const __m256i * x, int g0,
+                                                                int g1, const int BITS) {
+#if defined(__AVXVNNI__)
+    (void) BITS;
+    for (int g = g0; g < g1; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], x[g]);
+    return s;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (BITS == 8) {
+        for (int g = g0; g < g1; ++g) {
+            const __m256i ws = _mm256_xor_si256(w[g], _mm256_set1_epi8((char) 0x80));  // q - 128
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x[g], ws)), ones));
+        }
+        return s;
+    }
+    const int step = groups_per_widen(BITS);
+    for (int g = g0; g < g1; g += step) {
+        __m256i p16 = _mm256_maddubs_epi16(w[g], x[g]);
+        for (int k = g + 1; k < g + step && k < g1; ++k) p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(w[k], x[k]));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+    }
+    return s;
+#endif
+}
+
+// The exact sums need 128 * (the groups' inputs summed) added once per pass (8-bit q, no VNNI).
+static inline __attribute__((always_inline)) __m256i q8_offset(const int32_t * x4, int NG, int64_t T, int64_t t, const int BITS) {
+#if !defined(__AVXVNNI__)
+    if (BITS == 8) {
+        int32_t c = 0;
+        for (int g = 0; g < NG; ++g) {
+            const uint32_t v = (uint32_t) x4[g * T + t];
+            c += (int8_t) v + (int8_t) (v >> 8) + (int8_t) (v >> 16) + (int8_t) (v >> 24);
+        }
+        return _mm256_set1_epi32(128 * c);
+    }
+#endif
+    (void) x4; (void) NG; (void) T; (void) t; (void) BITS;
+    return _mm256_setzero_si256();
+}
+
+// Rows 8P .. 8P + 7 of a group of 16 rows' 6-bit scales (12 bytes at p) as 8 int32: word i
+// takes the two bytes holding bits 6i .. 6i + 5 and moves them to the top of the word (a
+// multiply by 2^(10 - shift): AVX2 has no per-word shift), then down by 10.
+static inline __m256i k_sc8(const uint8_t * p, int P) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
+    const __m256i at = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 2, 3, 3, 4, 3, 4, 4, 5, 5, 6,
+                                        6, 7, 6, 7, 7, 8, 8, 9, 9, 10, 9, 10, 10, 11, 11, 12);
+    const __m256i mul = _mm256_setr_epi16(1024, 16, 64, 256, 1024, 16, 64, 256, 1024, 16, 64, 256, 1024, 16, 64, 256);
+    const __m256i w = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(b, at), mul), 10);
+    return _mm256_cvtepu16_epi32(P ? _mm256_extracti128_si256(w, 1) : _mm256_castsi256_si128(w));
+}
+
+// Eight rows' sums v (rows r .. r + 7 of the segment) of token t: stored at a, or folded into
+// t's super-block sums as the AVX-512 put_sums does.
+static inline __attribute__((always_inline)) void put_sums8(__m256i v, int32_t * a, const bool fold, const uint8_t * scp,
+                                                            int64_t r, const bool six, const int32_t * s8, int64_t t,
+                                                            int32_t * tsum, size_t i, bool t_first) {
+    if (!fold) {
+        _mm256_storeu_si256((__m256i *) a, v);
+        return;
+    }
+    if (six) v = _mm256_sub_epi32(v, _mm256_set1_epi32(32 * s8[t]));
+    const __m256i sc = six ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (scp + r)))
+                           : k_sc8(scp + k6_bytes(r & ~(int64_t) 15), (int) ((r / 8) & 1));
+    const __m256i pv = _mm256_mullo_epi32(sc, v);
+    _mm256_storeu_si256((__m256i *) (tsum + i),
+                        t_first ? pv : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (tsum + i)), pv));
+}
+
+// The AVX-512 groups_seg's work (same arguments) on 256-bit registers.
+static inline __attribute__((always_inline)) void groups_seg(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
+                                                             const int BITS, const int NG, const int32_t * cols,
+                                                             const int32_t * x4, int64_t T, int32_t * acc, bool first,
+                                                             const int32_t * pf, int npf, const bool fold, int64_t j,
+                                                             int32_t * tsum, bool t_first, const int32_t * s8, int64_t ta,
+                                                             int64_t tz) {
+    const bool six = s->scales == PI_CM_6K;
+    const uint8_t * scp = fold ? seg_sc(s, j) : NULL;
+    const int64_t n_pad = cm->n_pad;
+    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
+    for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
+    for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
+    __m256i x0[PI_CM_PASS_GROUPS];  // token 0's inputs of each group
+    for (int g = 0; g < NG; ++g) x0[g] = _mm256_set1_epi32(x4[g * T]);
+    const __m256i off0 = q8_offset(x4, NG, T, 0, BITS);
+    for (int64_t ti = ta; ti < tz; ++ti) {
+        const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
+        pass_prefetch(s, BITS, NG, p, q, npf, cols, pf, ti, ta, tz);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t r = ti * TILE + h * HALF;
+            if (r >= s->n_rows) break;
+            for (int P = 0; P < 2; ++P) {
+                if (T == 1) {
+                    int32_t * a = acc + s->pad0 + r;
+                    __m256i v[4];
+                    for (int m = 0; m < 4; ++m) {
+                        v[m] = first ? off0 : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (a + 16 * m + 8 * P)), off0);
+                    }
+                    // groups a widening at a time, so that few interleaved q wait in registers
+                    const int step = groups_per_widen(BITS);
+                    for (int g0 = 0; g0 < NG; g0 += step) {
+                        const int g1 = g0 + step < NG ? g0 + step : NG;
+                        __m256i w[PI_CM_PASS_GROUPS][4];
+                        for (int g = g0; g < g1; ++g) part_w(p + 4 * g, lo, hi, BITS, h, P, w[g]);
+                        for (int m = 0; m < 4; ++m) {
+                            __m256i wm[PI_CM_PASS_GROUPS];
+                            for (int g = g0; g < g1; ++g) wm[g] = w[g][m];
+                            v[m] = dot_groups(v[m], wm, x0, g0, g1, BITS);
+                        }
+                    }
+                    for (int m = 0; m < 4; ++m) {
+                        const int64_t rr = r + 16 * m + 8 * P;
+                        put_sums8(v[m], a + 16 * m + 8 * P, fold, scp, rr, six, s8, 0, tsum, s->pad0 + rr, t_first);
+                    }
+                    continue;
+                }
+                __m256i w[4][PI_CM_PASS_GROUPS];  // [m][g]
+                for (int g = 0; g < NG; ++g) {
+                    __m256i wg[4];
+                    part_w(p + 4 * g, lo, hi, BITS, h, P, wg);
+                    for (int m = 0; m < 4; ++m) w[m][g] = wg[m];
+                }
+                for (int64_t t = 0; t < T; ++t) {
+                    __m256i xt[PI_CM_PASS_GROUPS];
+                    for (int g = 0; g < NG; ++g) xt[g] = t == 0 ? x0[g] : _mm256_set1_epi32(x4[g * T + t]);
+                    const __m256i off = t == 0 ? off0 : q8_offset(x4, NG, T, t, BITS);
+                    int32_t * a = acc + t * n_pad + s->pad0 + r;
+                    for (int m = 0; m < 4; ++m) {
+                        __m256i v = first ? off : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (a + 16 * m + 8 * P)), off);
+                        v = dot_groups(v, w[m], xt, 0, NG, BITS);
+                        const int64_t rr = r + 16 * m + 8 * P;
+                        put_sums8(v, a + 16 * m + 8 * P, fold, scp, rr, six, s8, t, tsum, t * n_pad + s->pad0 + rr, t_first);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// xblock 32: y (+)= a * (dx * acc) + b * sx over every segment's rows (first: from 0).
+static void fold_float(const struct pi_colmat * cm, const struct chunk_view * v, int64_t j, int64_t T, struct piece_buf pb,
+                       bool first) {
+    const int64_t n_pad = cm->n_pad;
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 8) {
+            __m256 a, b;
+            switch (s->scales) {
+                case PI_CM_D:
+                    a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->d + (size_t) (j / QK) * rows + r)));
+                    b = _mm256_mul_ps(_mm256_set1_ps(-(float) s->offset), a);
+                    break;
+                case PI_CM_DM:
+                    a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->d + (size_t) (j / QK) * rows + r)));
+                    b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->m + (size_t) (j / QK) * rows + r)));
+                    break;
+                case PI_CM_K: {
+                    const __m256 d  = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->d + (size_t) (j / QK_K) * rows + r)));
+                    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->m + (size_t) (j / QK_K) * rows + r)));
+                    a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(k_sc8(s->sc + sc_group(rows, j / QK, r & ~(int64_t) 15), (int) ((r / 8) & 1))));
+                    int32_t mn[8];
+                    for (int i = 0; i < 8; ++i) mn[i] = k_min(s->mins, rows, j / QK, r + i);
+                    b = _mm256_sub_ps(_mm256_setzero_ps(),
+                                      _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) mn))));
+                    break;
+                }
+                default: {  // PI_CM_6K
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->d + (size_t) (j / QK_K) * rows + r)));
+                    a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (s->sc + (size_t) (j / 16) * rows + r)))));
+                    b = _mm256_mul_ps(_mm256_set1_ps(-(float) s->offset), a);
+                    break;
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const __m256 x = _mm256_mul_ps(_mm256_set1_ps(v->dx[t]), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (pb.acc + i))));
+                __m256 yv = _mm256_fmadd_ps(a, x, first ? _mm256_setzero_ps() : _mm256_loadu_ps(pb.y + i));
+                _mm256_storeu_ps(pb.y + i, _mm256_fmadd_ps(b, _mm256_set1_ps(v->sx[t]), yv));
+            }
+        }
+    }
+}
+
+// Four rows' 6-bit minimums (6 bytes a row from p) as bytes, row i's 8 in 64-bit lane i (the
+// AVX-512 k_min8's halvings on four lanes).
+static inline __m256i k_min4(const uint8_t * p) {
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) p)),
+                                        _mm_loadu_si128((const __m128i *) (p + 12)), 1);
+    v = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1,
+                                                0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1));
+    const __m256i m1 = _mm256_set1_epi64x(0x00FFFFFF00000000LL), m2 = _mm256_set1_epi64x(0x0FFF00000FFF0000LL);
+    const __m256i m3 = _mm256_set1_epi64x(0x3F003F003F003F00LL);
+    v = _mm256_or_si256(_mm256_and_si256(m1, _mm256_slli_epi64(v, 8)), _mm256_andnot_si256(m1, v));
+    v = _mm256_or_si256(_mm256_and_si256(m2, _mm256_slli_epi64(v, 4)), _mm256_andnot_si256(m2, v));
+    v = _mm256_or_si256(_mm256_and_si256(m3, _mm256_slli_epi64(v, 2)), _mm256_andnot_si256(m3, v));
+    return _mm256_and_si256(v, _mm256_set1_epi8(63));
+}
+
+// Per 64-bit lane (a row): its 8 minimums (u8) times 8 signed bytes, as two 32-bit halves.
+static inline __m256i min_dot(__m256i m, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(m, x), _mm256_set1_epi16(1));
+}
+
+// xblock 256, at a super-block's end: the AVX-512 fold_superblock on 8 rows a step.
+static void fold_superblock(const struct pi_colmat * cm, const struct prep_view * prep, int64_t u, int64_t T,
+                            const float * dx, struct piece_buf pb, bool first) {
+    const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
+    __m256i lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes
+    bool any_min = false;
+    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    for (int64_t t = 0; t < T && any_min; ++t) {
+        int32_t S[8] = { 0 };
+        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
+        uint64_t l = 0, h = 0;
+        for (int i = 0; i < 8; ++i) {
+            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
+            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
+        }
+        lo[t] = _mm256_set1_epi64x((long long) l);
+        hi[t] = _mm256_set1_epi64x((long long) h);
+    }
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        const bool mins = s->scales == PI_CM_K;
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 8) {
+#if PI_CM_SCALE_PREFETCH
+            if (r + PI_CM_SCALE_AHEAD < r_end) {
+                const int64_t ra = r + PI_CM_SCALE_AHEAD;
+                if (ra % 32 == 0) {
+                    _mm_prefetch((const char *) (s->d + (size_t) u * rows + ra), _MM_HINT_T0);
+                    if (mins) _mm_prefetch((const char *) (s->m + (size_t) u * rows + ra), _MM_HINT_T0);
+                }
+                if (mins) _mm_prefetch((const char *) (s->mins + min_group(rows, u, ra)), _MM_HINT_T0);
+            }
+#endif
+            const __m256 d  = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->d + (size_t) u * rows + r)));
+            const __m256 dm = mins ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s->m + (size_t) u * rows + r)))
+                                   : _mm256_setzero_ps();
+            __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+            if (mins) {
+                m0 = k_min4(s->mins + min_group(rows, u, r));      // rows r .. r + 3
+                m1 = k_min4(s->mins + min_group(rows, u, r + 4));  // rows r + 4 .. r + 7
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const __m256 dxt = _mm256_set1_ps(dx[t]);
+                const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pb.y + i);
+                __m256 yv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (pb.t + i))), _mm256_mul_ps(d, dxt), y0);
+                if (mins) {
+                    // per lane pair 2i, 2i + 1: row i's halves; hadd pairs them, in lanes
+                    // (0, 1, 4, 5 | 2, 3, 6, 7), which the permute puts in order
+                    const __m256i a0 = _mm256_add_epi32(min_dot(m0, lo[t]), _mm256_slli_epi32(min_dot(m0, hi[t]), 7));
+                    const __m256i a1 = _mm256_add_epi32(min_dot(m1, lo[t]), _mm256_slli_epi32(min_dot(m1, hi[t]), 7));
+                    const __m256i off = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a0, a1), _MM_SHUFFLE(3, 1, 2, 0));
+                    yv = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(dm, dxt), yv);
+                }
+                _mm256_storeu_ps(pb.y + i, yv);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef PI_CM_SIMD
+// One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]).
+static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
+                        int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
+                        bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        int64_t ta, tz;
+        seg_tiles(cm, k, ga, gb, &ta, &tz);
+        if (ta >= tz) continue;
+#define PI_CM_NG(B, N) \
+        if (fold) groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, true, j, tsum, t_first, s8, ta, tz); \
+        else      groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, false, 0, NULL, false, NULL, ta, tz);
+#define PI_CM_CASE(B) \
+        switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
+        switch (s->bits) {
+            case 4:  PI_CM_CASE(4); break;
+            case 5:  PI_CM_CASE(5); break;
+            case 6:  PI_CM_CASE(6); break;
+            default: PI_CM_CASE(8); break;
+        }
+#undef PI_CM_CASE
+#undef PI_CM_NG
+    }
+}
+
+static void piece_simd(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
                        struct piece_buf pb) {
     const int64_t C = cm->chunk;
     const bool kmode = cm->xblock == QK_K;
@@ -1140,6 +1512,14 @@ static void piece_vnni(const struct pi_colmat * cm, const struct prep_view * pre
     if (!written) zero_piece_rows(pb.y, T, cm->n_pad, pb);
 }
 #endif
+
+bool pi_colmat_simd(void) {
+#ifdef PI_CM_SIMD
+    return true;
+#else
+    return false;
+#endif
+}
 
 // Forces the scalar kernels (tests compare the two).
 static bool g_force_scalar = false;
@@ -1314,9 +1694,9 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         const struct piece_buf pb = { part_plane(dst, &L, n_pad * T, cp), scratch, scratch + n_pad * T,
                                       G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
         const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
-#ifdef PI_CM_VNNI
+#ifdef PI_CM_SIMD
         if (!g_force_scalar) {
-            piece_vnni(cm, &pv, T, u0, u1, pb);
+            piece_simd(cm, &pv, T, u0, u1, pb);
             continue;
         }
 #endif
