@@ -1171,28 +1171,31 @@ static inline __attribute__((always_inline)) void part_w(const uint8_t * const *
 // Groups whose 16-bit pair sums can be added before widening (see above); 8 bits: each alone.
 static inline int groups_per_widen(const int BITS) { return BITS <= 5 ? PI_CM_PASS_GROUPS : BITS == 6 ? 2 : 1; }
 
-// s += sum over groups [g0, g1) of w[g] . x[g] per 32-bit lane (u8 q times the group's 4 s8
+#if !defined(__AVXVNNI__)
+// One group's products w . x (u8 q, s8 inputs) as 16-bit pair sums, exact (8 bits: of q - 128).
+static inline __attribute__((always_inline)) __m256i pair_sums(__m256i w, __m256i x, const int BITS) {
+    if (BITS == 8) {
+        const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8((char) 0x80));
+        return _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
+    }
+    return _mm256_maddubs_epi16(w, x);
+}
+#endif
+
+// s += sum over groups [0, NG) of w[g] . x[g] per 32-bit lane (u8 q times the group's 4 s8
 // inputs), exactly.
-static inline __attribute__((always_inline)) __m256i dot_groups(__m256i s, const __m256i * w, const __m256i * x, int g0,
-                                                                int g1, const int BITS) {
+static inline __attribute__((always_inline)) __m256i dot_groups(__m256i s, const __m256i * w, const __m256i * x, int NG,
+                                                                const int BITS) {
 #if defined(__AVXVNNI__)
     (void) BITS;
-    for (int g = g0; g < g1; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], x[g]);
+    for (int g = 0; g < NG; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], x[g]);
     return s;
 #else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (BITS == 8) {
-        for (int g = g0; g < g1; ++g) {
-            const __m256i ws = _mm256_xor_si256(w[g], _mm256_set1_epi8((char) 0x80));  // q - 128
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x[g], ws)), ones));
-        }
-        return s;
-    }
     const int step = groups_per_widen(BITS);
-    for (int g = g0; g < g1; g += step) {
-        __m256i p16 = _mm256_maddubs_epi16(w[g], x[g]);
-        for (int k = g + 1; k < g + step && k < g1; ++k) p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(w[k], x[k]));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+    for (int g = 0; g < NG; g += step) {
+        __m256i p16 = pair_sums(w[g], x[g], BITS);
+        for (int k = g + 1; k < g + step && k < NG; ++k) p16 = _mm256_add_epi16(p16, pair_sums(w[k], x[k], BITS));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
     }
     return s;
 #endif
@@ -1272,18 +1275,29 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                     for (int m = 0; m < 4; ++m) {
                         v[m] = first ? off0 : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (a + 16 * m + 8 * P)), off0);
                     }
-                    // groups a widening at a time, so that few interleaved q wait in registers
+                    // group by group into 16-bit sums (4 registers), widened once per
+                    // groups_per_widen groups: few registers live, none spilled
+#if defined(__AVXVNNI__)
+                    for (int g = 0; g < NG; ++g) {
+                        __m256i w[4];
+                        part_w(p + 4 * g, lo, hi, BITS, h, P, w);
+                        for (int m = 0; m < 4; ++m) v[m] = _mm256_dpbusd_avx_epi32(v[m], w[m], x0[g]);
+                    }
+#else
                     const int step = groups_per_widen(BITS);
                     for (int g0 = 0; g0 < NG; g0 += step) {
-                        const int g1 = g0 + step < NG ? g0 + step : NG;
-                        __m256i w[PI_CM_PASS_GROUPS][4];
-                        for (int g = g0; g < g1; ++g) part_w(p + 4 * g, lo, hi, BITS, h, P, w[g]);
-                        for (int m = 0; m < 4; ++m) {
-                            __m256i wm[PI_CM_PASS_GROUPS];
-                            for (int g = g0; g < g1; ++g) wm[g] = w[g][m];
-                            v[m] = dot_groups(v[m], wm, x0, g0, g1, BITS);
+                        __m256i p16[4];
+                        for (int g = g0; g < g0 + step && g < NG; ++g) {
+                            __m256i w[4];
+                            part_w(p + 4 * g, lo, hi, BITS, h, P, w);
+                            for (int m = 0; m < 4; ++m) {
+                                const __m256i pm = pair_sums(w[m], x0[g], BITS);
+                                p16[m] = g == g0 ? pm : _mm256_add_epi16(p16[m], pm);
+                            }
                         }
+                        for (int m = 0; m < 4; ++m) v[m] = _mm256_add_epi32(v[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
                     }
+#endif
                     for (int m = 0; m < 4; ++m) {
                         const int64_t rr = r + 16 * m + 8 * P;
                         put_sums8(v[m], a + 16 * m + 8 * P, fold, scp, rr, six, s8, 0, tsum, s->pad0 + rr, t_first);
@@ -1303,7 +1317,7 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                     int32_t * a = acc + t * n_pad + s->pad0 + r;
                     for (int m = 0; m < 4; ++m) {
                         __m256i v = first ? off : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (a + 16 * m + 8 * P)), off);
-                        v = dot_groups(v, w[m], xt, 0, NG, BITS);
+                        v = dot_groups(v, w[m], xt, NG, BITS);
                         const int64_t rr = r + 16 * m + 8 * P;
                         put_sums8(v, a + 16 * m + 8 * P, fold, scp, rr, six, s8, t, tsum, t * n_pad + s->pad0 + rr, t_first);
                     }
