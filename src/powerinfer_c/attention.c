@@ -21,13 +21,17 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define PI_ATTN_NEON 1
+#endif
 
-// This file is built once per ISA level (kernel_variant.h). The AVX-512 and AVX2 (+FMA,
-// F16C) helpers below do the same operations per element in the fp16 conversion, in
-// block_mix (one fma per cell, cells in order) and in the exponential; the dot products'
-// and the softmax sum's lane counts (16 against 8) and so their summation orders differ, as
-// does the scalar fallback's (unfused where the compiler does not contract). So results are
-// batch-, tile- and thread-invariant within a level, not bitwise equal across levels.
+// This file is built once per ISA level (kernel_variant.h). The AVX-512, AVX2 (+FMA, F16C)
+// and NEON (aarch64) helpers below do the same operations per element in the fp16
+// conversion, in block_mix (one fma per cell, cells in order) and in the exponential; the
+// dot products' and the softmax sum's lane counts (16, 8, 4) and so their summation orders
+// differ, as does the scalar fallback's (unfused). So results are batch-, tile- and
+// thread-invariant within a level, not bitwise equal across levels.
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PI_ATTN_AVX2 1
 
@@ -106,6 +110,12 @@ static void load_block(const struct ggml_tensor * c, const int32_t * cells, int3
         for (; i + 8 <= d; i += 8) {
             _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (src + i))));
         }
+#elif defined(PI_ATTN_NEON)
+        for (; i + 8 <= d; i += 8) {
+            const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16((const uint16_t *) (src + i)));
+            vst1q_f32(out + i, vcvt_f32_f16(vget_low_f16(h)));
+            vst1q_f32(out + i + 4, vcvt_high_f32_f16(h));
+        }
 #endif
         for (; i < d; ++i) {
             out[i] = ggml_fp16_to_fp32(src[i]);
@@ -148,6 +158,27 @@ static void block_scores(const float * q, const float * buf, int32_t n, int64_t 
         }
         _mm256_maskstore_ps(s + c0, lanes_below(nc), _mm256_mul_ps(_mm256_set1_ps(scale), sum8(acc)));
     }
+#elif defined(PI_ATTN_NEON)
+    (void) dv;
+    float qt[4] = { 0.0f, 0.0f, 0.0f, 0.0f };  // q's last d % 4 elements, zero-padded (buf is zero there)
+    const int64_t d4 = d / 4 * 4;
+    memcpy(qt, q + d4, sizeof(float) * (size_t) (d - d4));
+    for (int32_t c0 = 0; c0 < n; c0 += 8) {
+        const int32_t nc = n - c0 < 8 ? n - c0 : 8;
+        float32x4_t acc[8];
+        for (int32_t c = 0; c < nc; ++c) {
+            acc[c] = vdupq_n_f32(0.0f);
+        }
+        for (int64_t k = 0; k < d; k += 4) {
+            const float32x4_t qk = vld1q_f32(k < d4 ? q + k : qt);
+            for (int32_t c = 0; c < nc; ++c) {
+                acc[c] = vfmaq_f32(acc[c], qk, vld1q_f32(buf + (size_t) (c0 + c) * dv + k));
+            }
+        }
+        for (int32_t c = 0; c < nc; ++c) {
+            s[c0 + c] = scale * vaddvq_f32(acc[c]);
+        }
+    }
 #else
     (void) dv;
     for (int32_t c = 0; c < n; ++c) {
@@ -180,6 +211,22 @@ static void block_mix(float * out, const float * p, const float * buf, int32_t n
             a = _mm256_fmadd_ps(_mm256_set1_ps(p[c]), _mm256_loadu_ps(buf + (size_t) c * dv + k), a);
         }
         _mm256_maskstore_ps(out + k, m, a);
+    }
+#elif defined(PI_ATTN_NEON)
+    int64_t k = 0;
+    for (; k + 4 <= d; k += 4) {
+        float32x4_t a = vld1q_f32(out + k);
+        for (int32_t c = 0; c < n; ++c) {
+            a = vfmaq_f32(a, vdupq_n_f32(p[c]), vld1q_f32(buf + (size_t) c * dv + k));
+        }
+        vst1q_f32(out + k, a);
+    }
+    for (; k < d; ++k) {  // the same fma per element
+        float a = out[k];
+        for (int32_t c = 0; c < n; ++c) {
+            a = fmaf(p[c], buf[(size_t) c * dv + k], a);
+        }
+        out[k] = a;
     }
 #else
     for (int64_t k = 0; k < d; ++k) {
@@ -233,6 +280,26 @@ static inline __m256 exp_nonpos8(__m256 x) {
     const __m256  e2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, e1), e2);
 }
+#elif defined(PI_ATTN_NEON)
+// exp_nonpos on 4 lanes, the same operations as exp_nonpos8 (vfmsq_f32(x, k, c) = x - k c fused).
+static inline float32x4_t exp_nonpos4(float32x4_t x) {
+    const float32x4_t k = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504089f)));
+    float32x4_t r = vfmsq_f32(x, k, vdupq_n_f32(0.693145751953125f));
+    r = vfmsq_f32(r, k, vdupq_n_f32(1.428606765330187e-06f));
+    float32x4_t p = vdupq_n_f32(1.0f / 720);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    const int32x4_t ki = vcvtq_s32_f32(k);  // integral already: exact (saturating far below -251)
+    const int32x4_t k1 = vmaxq_s32(ki, vdupq_n_s32(-125));
+    const int32x4_t k2 = vmaxq_s32(vsubq_s32(ki, k1), vdupq_n_s32(-126));
+    const float32x4_t e1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k1, vdupq_n_s32(127)), 23));
+    const float32x4_t e2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k2, vdupq_n_s32(127)), 23));
+    return vmulq_f32(vmulq_f32(p, e1), e2);
+}
 #endif
 
 // s[0..n) <- softmax(s), in place, fp32.
@@ -265,6 +332,26 @@ static void softmax(float * s, int32_t n) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#elif defined(PI_ATTN_NEON)
+    const float32x4_t vm = vdupq_n_f32(m);
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t e = exp_nonpos4(vsubq_f32(vld1q_f32(s + i), vm));
+        vst1q_f32(s + i, e);
+        acc = vaddq_f32(acc, e);
+    }
+    if (i < n) {  // the last n % 4 through the same exponential, the other lanes adding 0
+        float t[4] = { m, m, m, m };
+        memcpy(t, s + i, sizeof(float) * (size_t) (n - i));
+        vst1q_f32(t, exp_nonpos4(vsubq_f32(vld1q_f32(t), vm)));
+        for (int32_t l = n - i; l < 4; ++l) {
+            t[l] = 0.0f;
+        }
+        memcpy(s + i, t, sizeof(float) * (size_t) (n - i));
+        acc = vaddq_f32(acc, vld1q_f32(t));
+        i = n;
+    }
+    sum = vaddvq_f32(acc);
 #endif
     for (; i < n; ++i) {
         s[i] = expf(s[i] - m);
