@@ -28,6 +28,8 @@ __all__ = [
     "LlamaPromptLookupDecoding",
     "PowerInferError",
     "gpu_count",
+    "kernel_level",
+    "kernel_levels",
     "install_as_llama_cpp",
     "llama_types",
     "llama_chat_format",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
     from . import llama_cache, llama_chat_format, llama_grammar, llama_types
+    from ._core.bindings import kernel_level, kernel_levels
     from ._core.devices import gpu_count
     from ._core.errors import PowerInferError
     from .llama import Llama, install_as_llama_cpp
@@ -76,6 +79,10 @@ def __getattr__(name: str):
         from ._core.errors import PowerInferError
 
         return PowerInferError
+    if name in ("kernel_level", "kernel_levels"):
+        from ._core import bindings
+
+        return getattr(bindings, name)
     if name == "gpu_count":
         from ._core.devices import gpu_count
 

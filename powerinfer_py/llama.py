@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Generator, List, O
 import numpy as np
 
 from ._core import Context, Model, PowerInferError
-from ._core.bindings import set_log_level
+from ._core.bindings import kernel_level, set_log_level
 from ._core.errors import ERR_UNSUPPORTED
 from ._llama import aliases as _aliases
 from ._llama import chat as _chat
@@ -409,9 +409,11 @@ class Llama:
         """How sparse the FFN has been since the last reset_timings() (or load): the sparse
         mode in use, per layer the share of neurons the sparse steps computed (None for a
         layer no sparse step ran through: dense mode, or only batches larger than the
-        sparse path takes), and that share over all layers ("active")."""
+        sparse path takes), that share over all layers ("active"), and the ISA level the
+        kernels run at on this CPU ("kernels": "avx512", "avx2", "dotprod", ...; None on
+        the fallback engine)."""
         if self._fallback is not None:
-            return {"mode": "dense", "layers": [], "active": None}
+            return {"mode": "dense", "layers": [], "active": None, "kernels": None}
         ctx = self._require_ctx()
         counts = [ctx.sparse_stats(il) for il in range(self._model.n_layer())]
         total = sum(n for _, n in counts)
@@ -419,6 +421,7 @@ class Llama:
             "mode": self.sparse_mode_in_use(),
             "layers": [a / n if n else None for a, n in counts],
             "active": sum(a for a, _ in counts) / total if total else None,
+            "kernels": kernel_level(),
         }
 
     def _new_context(self, n_ctx: int, seed: int, flash_attn: Optional[bool], embedding: bool) -> None:

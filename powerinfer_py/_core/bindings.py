@@ -27,6 +27,9 @@ __all__ = [
     "last_status",
     "version",
     "system_info",
+    "kernel_level",
+    "kernel_levels",
+    "set_kernel_level",
     "string",
     "set_log_level",
 ]
@@ -139,6 +142,24 @@ def version() -> str:
 
 def system_info() -> str:
     return string(lib.powerinfer_system_info())
+
+
+def kernel_level() -> str:
+    """The ISA level the sparse kernels run at here: "avx512", "avxvnni", "avx2", "dotprod"
+    or "scalar" (chosen from the CPU's features, or by POWERINFER_KERNELS)."""
+    return string(lib.powerinfer_kernel_level())
+
+
+def kernel_levels() -> list:
+    """The levels this library has and this CPU runs, best first."""
+    return [s for s in string(lib.powerinfer_kernel_levels()).split(",") if s]
+
+
+def set_kernel_level(level: str) -> None:
+    """Runs the kernels at `level` from now on (models loaded afterwards); ValueError when this
+    CPU cannot run it or the library lacks it."""
+    if not lib.powerinfer_set_kernel_level(level.encode()):
+        raise ValueError(f"kernel level {level!r} is not available here (this CPU runs: {', '.join(kernel_levels())})")
 
 
 def set_log_level(verbose: bool) -> None:

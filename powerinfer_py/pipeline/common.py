@@ -18,6 +18,11 @@ import numpy as np
 from .._core import Model
 from .._progress import Progress
 
+# Input mode's quality probes and trust cards need the sparse arithmetic itself: where the
+# kernels have no SIMD column product (kernel level "scalar"), the engine would otherwise run
+# those matrices dense (never slower than dense) and the probes would measure nothing.
+os.environ.setdefault("POWERINFER_INPUT_SCALAR", "1")
+
 __all__ = ["PipelineError", "Progress", "check_paths", "files", "read_corpus", "read_samples", "replacing", "run_cli",
            "same_file", "tokenize_texts", "write_text"]
 

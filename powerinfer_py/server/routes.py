@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .. import __version__
+from .._core.bindings import kernel_level
 from .engine import ServerState
 from .errors import APIError, error_from_exception, error_response, json_response
 from .metrics import metrics_text
@@ -192,6 +193,7 @@ async def props(request: Request) -> Dict[str, Any]:
         "default_generation_settings": {"n_ctx": n_ctx, "model": settings.model_alias or settings.model},
         "engine": getattr(llama, "engine", None),
         "sparse_mode": llama.sparse_mode_in_use() if llama is not None else None,
+        "sparse_kernels": kernel_level() if getattr(llama, "engine", None) == "powerinfer" else None,
         "build_info": f"powerinfer-py {__version__}",
     }
 

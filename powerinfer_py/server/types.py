@@ -486,6 +486,7 @@ class PropsResponse(BaseModel):
     default_generation_settings: Dict[str, Any]
     engine: Optional[str] = None
     sparse_mode: Optional[str] = None
+    sparse_kernels: Optional[str] = Field(None, description='ISA level of the sparse kernels on this CPU ("avx512", "avx2", ...)')
     build_info: str
 
 

@@ -4,6 +4,7 @@
 #include "kernel_levels.h"
 
 #include "input_sparse.h"
+#include "powerinfer.h"
 #include "packed_matmul.h"
 #include "powerinfer-impl.h"
 #include "sparse_kernels.h"
@@ -212,6 +213,10 @@ bool pi_kernel_level_set(const char * name) {
     __atomic_store_n(&g_level, l, __ATOMIC_RELEASE);
     return true;
 }
+
+POWERINFER_API const char * powerinfer_kernel_level(void) { return pi_kernel_level(); }
+POWERINFER_API const char * powerinfer_kernel_levels(void) { return pi_kernel_levels_runnable(); }
+POWERINFER_API bool powerinfer_set_kernel_level(const char * level) { return pi_kernel_level_set(level); }
 
 // The forwarding definitions: each public kernel name calls the chosen level's.
 #define PI_FWD(ret, name, params, args)  ret name params { return g_level->table->name args; }

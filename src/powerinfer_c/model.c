@@ -1,5 +1,6 @@
 // model.c - the model object: architecture and hyper-parameters from GGUF metadata,
 // weight tensors looked up by name and shape-checked, public accessors.
+#include "kernel_levels.h"
 #include "powerinfer-impl.h"
 
 #include "llama.h"
@@ -666,6 +667,10 @@ struct powerinfer_model * powerinfer_model_load(const char * path, struct poweri
         return NULL;
     }
     const double t0 = pi_time_ms();
+    static atomic_flag level_logged = ATOMIC_FLAG_INIT;
+    if (!atomic_flag_test_and_set(&level_logged)) {
+        pi_log(POWERINFER_LOG_INFO, "powerinfer: sparse kernels: %s\n", pi_kernel_level());
+    }
     struct powerinfer_model * model = calloc(1, sizeof(*model));
     if (model) {
         atomic_init(&model->n_refs, 1);

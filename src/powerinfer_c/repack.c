@@ -8,6 +8,7 @@
 
 #include "ggml-cpu.h"
 
+#include "kernel_levels.h"
 #include "packed_matmul.h"
 
 #include <pthread.h>
@@ -620,11 +621,27 @@ static void * cols_worker(void * arg) {
     return NULL;
 }
 
+// POWERINFER_INPUT_SCALAR=1: input mode keeps the scalar column product where it is slower
+// than dense (the pipeline's quality probes need the sparse arithmetic, not its speed).
+static bool input_scalar_wanted(void) {
+    const char * v = getenv("POWERINFER_INPUT_SCALAR");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
 int32_t pi_make_input_copies(struct powerinfer_model * model) {
     if (model->hp.sparse_mode != POWERINFER_SPARSE_INPUT) {
         return POWERINFER_OK;
     }
     const double t0 = pi_time_ms();
+    if (!pi_colmat_simd() && !input_scalar_wanted()) {
+        // the scalar column product reads the kept bytes far slower than ggml's dense matmul
+        // reads them all: a sparse mode must never make a model slower than its dense mode
+        pi_log(POWERINFER_LOG_WARN, "powerinfer: input mode: the sparse kernels run at level '%s' on this CPU, which has no "
+               "SIMD column product (slower than dense); every matrix runs dense (POWERINFER_INPUT_SCALAR=1 keeps "
+               "the sparse product, for measurements)\n", pi_kernel_level());
+        for (int32_t k = 0; k < pi_n_inputs(model); ++k) memset(pi_input_cm(model, k), 0, sizeof(struct pi_colmat));
+        return POWERINFER_OK;
+    }
     size_t total = 0;
     int32_t n_copies = 0, n_dense = 0;
     for (int32_t k = 0; k < pi_n_inputs(model); ++k) {

@@ -250,6 +250,15 @@ POWERINFER_API int32_t powerinfer_last_status(void);
 POWERINFER_API void powerinfer_log_set_level(int32_t level);
 POWERINFER_API const char * powerinfer_version(void);
 POWERINFER_API const char * powerinfer_system_info(void);
+// The ISA level the sparse kernels run at ("avx512", "avxvnni", "avx2", "dotprod", "scalar"):
+// the best this CPU executes, chosen when the library loads, or the one the environment
+// variable POWERINFER_KERNELS names if this CPU runs it.
+POWERINFER_API const char * powerinfer_kernel_level(void);
+// The levels this library has and this CPU runs, best first, comma-separated.
+POWERINFER_API const char * powerinfer_kernel_levels(void);
+// Switches the kernels to `level` for models loaded afterwards (tests, benchmarks); false when
+// this library lacks it or this CPU cannot run it. Call while nothing is computing.
+POWERINFER_API bool powerinfer_set_kernel_level(const char * level);
 
 // ---- model -----------------------------------------------------------------
 POWERINFER_API struct powerinfer_model_params powerinfer_model_default_params(void);

@@ -651,6 +651,7 @@ int main(int argc, char ** argv) {
     struct powerinfer_timings t = powerinfer_get_timings(ctx);
     fprintf(stderr, "\n");
     fprintf(stderr, "sparse mode = %s\n", powerinfer_sparse_mode_name(powerinfer_model_sparse_mode(model)));
+    fprintf(stderr, "kernels     = %s (this CPU runs: %s)\n", powerinfer_kernel_level(), powerinfer_kernel_levels());
     fprintf(stderr, "load time   = %10.2f ms\n", t.t_load_ms);
     fprintf(stderr, "prompt eval = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)\n",
             t.t_prompt_ms, t.n_prompt, t.n_prompt ? t.t_prompt_ms / t.n_prompt : 0.0,
