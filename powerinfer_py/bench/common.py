@@ -31,16 +31,17 @@ class ChildError(RuntimeError):
         self.reason, self.output = reason, output
 
 
-def spawn(fn: Callable[..., Dict[str, Any]], **kwargs: Any) -> Dict[str, Any]:
+def spawn(fn: Callable[..., Dict[str, Any]], _env: Optional[Dict[str, str]] = None, **kwargs: Any) -> Dict[str, Any]:
     """fn(**kwargs) (a module-level function of this package returning a JSON-able dict),
-    run in a fresh `python -m powerinfer_py.bench --child` process; ChildError if the
-    child prints no result line."""
+    run in a fresh `python -m powerinfer_py.bench --child` process (`_env` added to its
+    environment, e.g. POWERINFER_KERNELS); ChildError if the child prints no result line."""
     module = fn.__module__
     if module == "__main__":  # the parent runs as `python -m powerinfer_py.bench.<name>`
         module = sys.modules["__main__"].__spec__.name
     spec = {"target": f"{module}:{fn.__qualname__}", "kwargs": kwargs}
     cmd = [sys.executable, "-m", "powerinfer_py.bench", "--child", json.dumps(spec)]
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    env = dict(os.environ, **_env) if _env else None
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env)
     for line in reversed(r.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
@@ -131,7 +132,7 @@ def child_main(spec_json: str) -> int:
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], align: bool = False) -> None:
     """A Markdown table under its title and the CPU it ran on; `align` pads the columns."""
-    print(f"{title}\nCPU: {cpu_model()}\n")
+    print(f"{title}\nCPU: {cpu_model()}\n{kernels_line()}\n")
     if align:
         widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     else:
@@ -140,6 +141,24 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     print("|" + "|".join("-" * (w + 2) if align else "---" for w in widths) + "|")
     for row in rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+def kernels_line() -> str:
+    """Our sparse kernels' ISA level here and the features llama-cpp-python's ggml was built
+    with (a ratio compares the two)."""
+    from .._core.bindings import kernel_level, kernel_levels
+
+    ggml = ""
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        feats = [f.split("=")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+        ggml = ", ".join(f for f in feats if f.startswith(("AVX", "SSE", "F16C", "FMA", "NEON", "ARM", "DOTPROD", "AMX", "BMI")))
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return (f"powerinfer kernels: {kernel_level()} (this CPU runs: {', '.join(kernel_levels())}); "
+            f"llama-cpp-python's ggml CPU features: {ggml or 'unknown'}")
 
 
 def print_rss_table(rss: Dict[str, Dict[str, Any]]) -> None:

@@ -142,7 +142,10 @@ def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, An
 
     kept = [[share(il, i) for i in range(4)] for il in range(n_layer + 1)]
     sparse = [[ours._model.input_sparse(il, i) for i in range(4)] for il in range(n_layer + 1)]
-    return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours, "kept": kept, "sparse": sparse}
+    from .._core.bindings import kernel_level
+
+    return {"ref_tok_s": n_gen / t_ref, "ours_tok_s": n_gen / t_ours, "kept": kept, "sparse": sparse,
+            "kernels": kernel_level()}
 
 
 def prompt_pair(model: str, path: str, threads: int, lengths: Sequence[int], reps: int) -> Dict[str, Any]:
@@ -204,8 +207,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prompts", default="64,512")
     p.add_argument("--prompt-reps", type=int, default=3)
     p.add_argument("--no-rss", action="store_true")
+    p.add_argument("--levels", default="simd",
+                   help="kernel levels to run ours at, comma-separated (POWERINFER_KERNELS), or 'simd': every level this "
+                        "CPU runs that has a SIMD column product (all but scalar), or 'auto': the library's choice")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
+    from .._core.bindings import kernel_levels
+
+    runnable = kernel_levels()
+    if a.levels == "auto":
+        levels = [runnable[0]]
+    elif a.levels == "simd":
+        levels = [lv for lv in runnable if lv != "scalar"] or ["scalar"]
+    else:
+        levels = [lv.strip() for lv in a.levels.split(",") if lv.strip()]
+        bad = [lv for lv in levels if lv not in runnable]
+        if bad or not levels:
+            print(f"error: --levels: this CPU runs {', '.join(runnable)}; not {', '.join(bad) or 'nothing'}", file=sys.stderr)
+            return 1
     from ..pipeline.evaluate import parse_domains
 
     try:
@@ -222,16 +241,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     paths = make_sparse(a.model, sparsities, a.corpus, a.threads)
     results: Dict[str, Any] = {"model": a.model, "threads": a.threads, "decode": {}, "prompt": {}, "rss": {}}
     try:
-        for key, path in paths.items():
-            runs = []
-            for r in range(a.reps):
-                print(f"decode {key} run {r + 1}/{a.reps}, interleaved with llama-cpp-python ...", file=sys.stderr, flush=True)
-                runs.append(spawn(decode_pair, model=a.model, path=path, threads=a.threads, n_gen=a.n_gen))
-            results["decode"][key] = runs
-            if lengths:
-                print(f"prompts {key} ...", file=sys.stderr, flush=True)
-                results["prompt"][key] = spawn(prompt_pair, model=a.model, path=path, threads=a.threads, lengths=lengths,
-                                               reps=a.prompt_reps)
+        for level in levels:
+            env = {"POWERINFER_KERNELS": level}
+            for key, path in paths.items():
+                runs = []
+                for r in range(a.reps):
+                    print(f"decode {key} ({level}) run {r + 1}/{a.reps}, interleaved with llama-cpp-python ...",
+                          file=sys.stderr, flush=True)
+                    runs.append(spawn(decode_pair, _env=env, model=a.model, path=path, threads=a.threads, n_gen=a.n_gen))
+                results["decode"][f"{level} {key}"] = runs
+                if lengths:
+                    print(f"prompts {key} ({level}) ...", file=sys.stderr, flush=True)
+                    results["prompt"][f"{level} {key}"] = spawn(prompt_pair, _env=env, model=a.model, path=path,
+                                                                threads=a.threads, lengths=lengths, reps=a.prompt_reps)
         if not a.no_rss:
             top = paths[max(paths)]
             for label, engine, path in (("llama-cpp-python", "llama-cpp-python", a.model), (f"powerinfer input {max(paths)}", "powerinfer", top)):
@@ -255,7 +277,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     dense = _dense_bytes(a.model)
     print(f"\nmodel: {a.model}; {a.threads} threads; measured read bandwidth ({a.threads} threads) {bw / 1e9:.1f} GB/s\n")
     rows = []
-    for key, runs in results["decode"].items():
+    for lkey, runs in results["decode"].items():
+        level, key = lkey.split(" ")
         kept = np.array(runs[0]["kept"])
         sparse = np.array(runs[0]["sparse"], dtype=bool)
         read = dense - float((mat * np.where(sparse, 1.0 - kept, 0.0)).sum())
@@ -268,21 +291,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref_ts = statistics.median(r["ref_tok_s"] for r in runs)
         ours_ts = statistics.median(r["ours_tok_s"] for r in runs)
         dropped = float((mat * (1.0 - kept)).sum() / mat[:n_layer].sum())  # of the layers' bytes: the budget's base
-        rows.append([f"{float(key):.0%}", f"{dropped:.1%}", f"{read / 2**20:.0f} / {dense / 2**20:.0f} MiB", f"{ideal:.2f}x",
+        rows.append([runs[0].get("kernels", level), f"{float(key):.0%}", f"{dropped:.1%}", f"{read / 2**20:.0f} / {dense / 2**20:.0f} MiB", f"{ideal:.2f}x",
                      f"{ref_ts:.2f}", f"{ours_ts:.2f}", f"{med:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})",
                      f"{100 * med / ideal:.0f}%", f"{kread / 2**20:.0f} MiB, {ceiling:.2f}x", f"{100 * med / ceiling:.0f}%"])
     print_table(f"Decode, {a.n_gen} tokens, steps interleaved with llama-cpp-python, {a.reps} runs each (median):",
-                ("sparsity", "matrix bytes dropped", "weights/token (ideal / dense)", "byte-count ideal",
+                ("kernels", "sparsity", "matrix bytes dropped", "weights/token (ideal / dense)", "byte-count ideal",
                  "llama-cpp-python tok/s", "powerinfer tok/s", "ratio (runs)", "of ideal",
                  "column kernel reads (its ceiling)", "of ceiling"), rows)
     print("(the column kernel's ceiling counts the bytes it reads: the kept columns' quants and the scales of every "
           "block with a kept column, which the file-byte ideal drops with the columns)")
     if results["prompt"]:
         print()
-        rows = [[f"{float(key):.0%}", n, f"{r['ref_tok_s']:.1f}", f"{r['ours_tok_s']:.1f}", f"{r['ours_tok_s'] / r['ref_tok_s']:.2f}x"]
-                for key, by_len in results["prompt"].items() for n, r in by_len.items()]
+        rows = [[lkey.split(" ")[0], f"{float(lkey.split(' ')[1]):.0%}", n, f"{r['ref_tok_s']:.1f}", f"{r['ours_tok_s']:.1f}",
+                 f"{r['ours_tok_s'] / r['ref_tok_s']:.2f}x"]
+                for lkey, by_len in results["prompt"].items() for n, r in by_len.items()]
         print_table(f"Prompt processing (one call per prompt, best of {a.prompt_reps}, engines alternating):",
-                    ("sparsity", "prompt tokens", "llama-cpp-python tok/s", "powerinfer tok/s", "ratio"), rows)
+                    ("kernels", "sparsity", "prompt tokens", "llama-cpp-python tok/s", "powerinfer tok/s", "ratio"), rows)
     if results.get("quality"):
         print()
         rows = []

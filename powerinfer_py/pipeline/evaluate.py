@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._core import Context, Model
+from .._core.bindings import kernel_level
 from .._machine import best_alternating, cpu_model, timed
 from ..formats.gguf_io import open_gguf, tensor_f32
 from .common import PipelineError, Progress, files, run_cli, tokenize_texts, write_text
@@ -426,7 +427,7 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
         prompt = np.concatenate(all_passages)[:n_prompt]
         if len(prompt) < n_prompt:
             prompt = np.resize(prompt, n_prompt)
-        card["speed"] = {"cpu": cpu_model(), "n_gen": n_gen, "n_prompt": n_prompt,
+        card["speed"] = {"cpu": cpu_model(), "kernels": kernel_level(), "n_gen": n_gen, "n_prompt": n_prompt,
                          "modes": speed(path, reference, modes, prompt.tolist(), threads, n_gen)}
     return card
 
@@ -482,7 +483,7 @@ def render(card: Dict[str, Any]) -> str:
     if "speed" in card:
         sp = card["speed"]
         L += ["", f"## Speed against llama-cpp-python on the reference ({card['threads']} threads, same process, "
-              "steps alternating)", "", f"CPU: {sp['cpu']}", "",
+              "steps alternating)", "", f"CPU: {sp['cpu']}; sparse kernels: {sp.get('kernels', 'unknown')}", "",
               f"| mode | decode tok/s | llama-cpp-python | ratio | prompt ({sp['n_prompt']} tokens) tok/s | "
               "llama-cpp-python | ratio |", "|---|---|---|---|---|---|---|"]
         for m, r in sp["modes"].items():
