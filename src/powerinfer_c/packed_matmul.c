@@ -52,7 +52,7 @@ struct xq_block {
 #define PI_PACK_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PI_PACK_AVX2 1
-#elif defined(__ARM_FEATURE_DOTPROD)
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define PI_PACK_NEON 1
 #endif
 

@@ -231,7 +231,7 @@ static void dot_rows_vnni(bool is_q8, int64_t nb, const void * const * rows, int
     for (int j = 0; j < k; ++j) out[j] = hsum8(acc[j]);
 }
 
-#elif defined(__ARM_FEATURE_DOTPROD)
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define PI_DOT_SIMD 1
 #define PI_DOT_BLOCKS 1
 
