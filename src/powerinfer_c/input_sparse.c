@@ -818,6 +818,15 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
 
+// A prefetch into L2 (x86: prefetcht1; aarch64: prfm pldl2keep) and into L1.
+#ifdef PI_CM_NEON
+#define PI_CM_PREFETCH_L2(p) __builtin_prefetch((const void *) (p), 0, 2)
+#define PI_CM_PREFETCH_L1(p) __builtin_prefetch((const void *) (p), 0, 3)
+#else
+#define PI_CM_PREFETCH_L2(p) _mm_prefetch((const char *) (p), _MM_HINT_T1)
+#define PI_CM_PREFETCH_L1(p) _mm_prefetch((const char *) (p), _MM_HINT_T0)
+#endif
+
 // A pass's prefetches at tile ti of [ta, tz): PI_CM_PREFETCH_TILES tiles ahead, these
 // columns' later tiles (p), then the next pass's first (q: npf columns), with the scales of
 // the chunk they belong to (for the fold at its last pass).
@@ -832,15 +841,15 @@ static inline __attribute__((always_inline)) void pass_prefetch(const struct pi_
     const int n = here ? 4 * NG : (tp < tz ? npf : 0);
     const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
     for (int i = 0; i < n; ++i) {
-        _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
-        if (BITS == 8) _mm_prefetch((const char *) src[i] + plo + 64, _MM_HINT_T1);
-        if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) _mm_prefetch((const char *) src[i] + phi, _MM_HINT_T1);
+        PI_CM_PREFETCH_L2(src[i] + plo);
+        if (BITS == 8) PI_CM_PREFETCH_L2(src[i] + plo + 64);
+        if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) PI_CM_PREFETCH_L2(src[i] + phi);
     }
 #if PI_CM_SCALE_PREFETCH
     if (n > 0 && s->sc) {
         const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (s->scales == PI_CM_6K ? (size_t) (tp * TILE) : k6_bytes(tp * TILE));
-        _mm_prefetch((const char *) sp, _MM_HINT_T1);
-        _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
+        PI_CM_PREFETCH_L2(sp);
+        PI_CM_PREFETCH_L2(sp + 64);
     }
 #endif
 }
