@@ -19,8 +19,9 @@ Two references:
     only float32 rounding separates them, bounded by (units + 2) * eps * sum |terms|;
   - the float64 product of the dequantized W with x over the kept entries: the input's
     quantization adds at most d_u / 2 per kept entry, times |a_u * q_j| summed.
-Batch invariance (each token alone gives the batch's bits), thread-count invariance and
-the scalar kernels (bit-equal to the SIMD ones) are checked exactly.
+Batch invariance (each token alone gives the batch's bits), thread-count invariance, the
+scalar kernels (bit-equal to the SIMD ones) and the levels against each other (the same
+bits wherever their copies hold the same weights) are checked exactly.
 """
 
 from __future__ import annotations
@@ -178,6 +179,41 @@ def test_tall_group_cut_into_row_pieces(tmp_path, driver):
     segs = [("q4_K", _weights(rng, 4096, n_in)), ("q4_K", _weights(rng, 4096, n_in))]
     out = _run(tmp_path, segs, x, tau, driver=driver)
     _check(out, x, tau, 32, ["q4_K", "q4_K"])
+
+
+@pytest.mark.parametrize("types", [["q4_K", "q5_K", "q6_K"], ["q4_1", "q5_1", "q8_0"], ["q5_0", "q4_0", "q4_K"]],
+                         ids=["k-blocks", "32-blocks", "k-beside-32"])
+def test_every_level_gives_the_same_bits(tmp_path, types):
+    # Every kernel level this machine runs (on x86-64 the aarch64 ones too, under qemu, when
+    # built) computes the same operations in the same order: the same bits, one token or
+    # four. The drivers quantize the weights with their own ggml, and the aarch64 ggml's
+    # K-quant quantizer rounds some rows differently from the x86 one (same floats, other
+    # integers and scales): levels are compared wherever their column copies (w, a, b) are
+    # the same, which must hold within an architecture.
+    rng = np.random.default_rng(14)
+    n_in = 512
+    x = _inputs(rng, 4, n_in)
+    tau = float(np.quantile(np.abs(x), 0.45))
+    segs = [(t, _weights(rng, 144, n_in)) for t in types]
+    outs = {}
+    for d in DRIVERS:
+        if d.unrunnable or (not d.required and not d.path.exists()):
+            continue
+        outs[d.id] = (d.arch, _run(tmp_path, segs, x, tau, driver=d))
+    if len(outs) < 2:
+        pytest.skip(f"only one kernel level runs here ({', '.join(outs)})")
+    levels = list(outs)
+    n_compared = 0
+    for i, one in enumerate(levels):
+        for other in levels[:i]:
+            (arch1, o1), (arch2, o2) = outs[one], outs[other]
+            same_copy = all(np.array_equal(o1[k], o2[k]) for k in ("w", "a", "b"))
+            assert same_copy or arch1 != arch2, f"the {one} and {other} drivers hold different column copies"
+            if same_copy:
+                for k in ("y", "y_alone"):
+                    assert np.array_equal(o1[k], o2[k]), f"{k}: the {one} kernels' bits differ from the {other} kernels'"
+                n_compared += 1
+    assert n_compared > 0
 
 
 def test_thread_count_does_not_change_the_bits(tmp_path):

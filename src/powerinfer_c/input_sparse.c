@@ -14,15 +14,21 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 // The kernels of this build (kernel_variant.h: one build per ISA level): AVX-512 VNNI, AVX2
-// (with 256-bit VNNI where the CPU has AVX-VNNI), or scalar. All give the same bits.
+// (with 256-bit VNNI where the CPU has AVX-VNNI), NEON with the dot product instructions
+// (aarch64, armv8.2-a + dotprod), or scalar. All give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define PI_CM_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PI_CM_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define PI_CM_NEON 1
 #endif
-#if defined(PI_CM_VNNI) || defined(PI_CM_AVX2)
+#if defined(PI_CM_VNNI) || defined(PI_CM_AVX2) || defined(PI_CM_NEON)
 #define PI_CM_SIMD 1
 #endif
 
@@ -818,6 +824,15 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
 
+// A prefetch into L2 (x86: prefetcht1; aarch64: prfm pldl2keep) and into L1.
+#ifdef PI_CM_NEON
+#define PI_CM_PREFETCH_L2(p) __builtin_prefetch((const void *) (p), 0, 2)
+#define PI_CM_PREFETCH_L1(p) __builtin_prefetch((const void *) (p), 0, 3)
+#else
+#define PI_CM_PREFETCH_L2(p) _mm_prefetch((const char *) (p), _MM_HINT_T1)
+#define PI_CM_PREFETCH_L1(p) _mm_prefetch((const char *) (p), _MM_HINT_T0)
+#endif
+
 // A pass's prefetches at tile ti of [ta, tz): PI_CM_PREFETCH_TILES tiles ahead, these
 // columns' later tiles (p), then the next pass's first (q: npf columns), with the scales of
 // the chunk they belong to (for the fold at its last pass).
@@ -832,15 +847,15 @@ static inline __attribute__((always_inline)) void pass_prefetch(const struct pi_
     const int n = here ? 4 * NG : (tp < tz ? npf : 0);
     const size_t plo = (size_t) tp * s->lo, phi = (size_t) s->n_tiles * s->lo + (size_t) tp * s->hi;
     for (int i = 0; i < n; ++i) {
-        _mm_prefetch((const char *) src[i] + plo, _MM_HINT_T1);
-        if (BITS == 8) _mm_prefetch((const char *) src[i] + plo + 64, _MM_HINT_T1);
-        if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) _mm_prefetch((const char *) src[i] + phi, _MM_HINT_T1);
+        PI_CM_PREFETCH_L2(src[i] + plo);
+        if (BITS == 8) PI_CM_PREFETCH_L2(src[i] + plo + 64);
+        if (BITS > 4 && BITS < 8 && (phi & 63) < (size_t) s->hi) PI_CM_PREFETCH_L2(src[i] + phi);
     }
 #if PI_CM_SCALE_PREFETCH
     if (n > 0 && s->sc) {
         const uint8_t * sp = seg_sc(s, here ? cols[0] : pf[0]) + (s->scales == PI_CM_6K ? (size_t) (tp * TILE) : k6_bytes(tp * TILE));
-        _mm_prefetch((const char *) sp, _MM_HINT_T1);
-        _mm_prefetch((const char *) sp + 64, _MM_HINT_T1);
+        PI_CM_PREFETCH_L2(sp);
+        PI_CM_PREFETCH_L2(sp + 64);
     }
 #endif
 }
@@ -1453,6 +1468,288 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                     yv = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(dm, dxt), yv);
                 }
                 _mm256_storeu_ps(pb.y + i, yv);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef PI_CM_NEON
+// ---- NEON dotprod kernels (aarch64, 128-bit; sdot) --
+//
+// The same tile layout, read 16 positions at a time: part P of half h holds positions
+// 16P .. 16P + 15, which are rows 16m + 4P + d at byte 4m + d; after the zips register m
+// holds rows 16m + 4P .. 16m + 4P + 3, lane d row 16m + 4P + d, so its 4 sums store to acc
+// in row order. sdot multiplies signed bytes only (unsigned by signed needs i8mm): q of 4
+// to 6 bits are valid signed bytes as they are; 8 bits (Q8_0, q up to 255) go as q - 128
+// (xor 0x80), plus 128 * the inputs' sum, as the AVX2 kernels without VNNI do. The integer
+// sums are exact, and the folds run the scalar kernels' float operations in their order,
+// so every result has the scalar bits.
+
+// 16 q of part P of half h of one column's tile, as bytes in position order (8 bits: q - 128).
+static inline __attribute__((always_inline)) uint8x16_t part_u8(const uint8_t * lo, const uint8_t * hi, const int BITS,
+                                                                const int h, const int P) {
+    if (BITS == 8) {
+        return veorq_u8(vld1q_u8(lo + 64 * h + 16 * P), vdupq_n_u8(0x80));
+    }
+    const uint8x16_t v = vld1q_u8(lo + 16 * P);
+    const uint8x16_t u = h ? vshrq_n_u8(v, 4) : vandq_u8(v, vdupq_n_u8(0x0F));
+    if (BITS == 6) {
+        // pack_hi2: bits 4-5 of position 64h + 16P + i at bit 2 * (2h + P / 2) of byte 16 (P % 2) + i
+        const uint8x16_t b = vld1q_u8(hi + 16 * (P % 2));
+        const int sh = 4 - 2 * (2 * h + P / 2);  // left by sh (right by -sh)
+        return vorrq_u8(u, vandq_u8(vshlq_u8(b, vdupq_n_s8((int8_t) sh)), vdupq_n_u8(0x30)));
+    }
+    if (BITS == 5) {
+        // bit 4 of the half's positions, a 64-bit mask: its bits 16P .. 16P + 15 spread to bytes
+        uint16_t m16;
+        memcpy(&m16, hi + 8 * h + 2 * P, 2);
+        const uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t) m16), vdup_n_u8((uint8_t) (m16 >> 8)));
+        const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ULL));
+        return vorrq_u8(u, vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(16)));
+    }
+    return u;
+}
+
+// The q of part P of half h of 4 columns interleaved: w[m] lane d holds the 4 columns' q of
+// row 16m + 4P + d (column i in byte i), as signed bytes for sdot.
+static inline __attribute__((always_inline)) void part_w(const uint8_t * const * p, size_t lo, size_t hi, const int BITS,
+                                                         const int h, const int P, int8x16_t * w) {
+    const uint8x16_t u0 = part_u8(p[0] + lo, p[0] + hi, BITS, h, P), u1 = part_u8(p[1] + lo, p[1] + hi, BITS, h, P);
+    const uint8x16_t u2 = part_u8(p[2] + lo, p[2] + hi, BITS, h, P), u3 = part_u8(p[3] + lo, p[3] + hi, BITS, h, P);
+    const uint16x8_t a0 = vreinterpretq_u16_u8(vzip1q_u8(u0, u1)), a1 = vreinterpretq_u16_u8(vzip2q_u8(u0, u1));
+    const uint16x8_t b0 = vreinterpretq_u16_u8(vzip1q_u8(u2, u3)), b1 = vreinterpretq_u16_u8(vzip2q_u8(u2, u3));
+    w[0] = vreinterpretq_s8_u16(vzip1q_u16(a0, b0));  // bytes 0-3 of each column: m = 0
+    w[1] = vreinterpretq_s8_u16(vzip2q_u16(a0, b0));  // 4-7
+    w[2] = vreinterpretq_s8_u16(vzip1q_u16(a1, b1));  // 8-11
+    w[3] = vreinterpretq_s8_u16(vzip2q_u16(a1, b1));  // 12-15
+}
+
+// 128 * the sum of token t's inputs of NG groups (8-bit q only: what q - 128 leaves out).
+static inline __attribute__((always_inline)) int32x4_t q8_offset(const int32_t * x4, int NG, int64_t T, int64_t t, const int BITS) {
+    if (BITS != 8) return vdupq_n_s32(0);
+    int32_t c = 0;
+    for (int g = 0; g < NG; ++g) {
+        const uint32_t v = (uint32_t) x4[g * T + t];
+        c += (int8_t) v + (int8_t) (v >> 8) + (int8_t) (v >> 16) + (int8_t) (v >> 24);
+    }
+    return vdupq_n_s32(128 * c);
+}
+
+// Rows 4P .. 4P + 3 of a group of 16 rows' 6-bit scales (12 bytes at p) as 4 int32: their 24
+// bits are bytes 3P .. 3P + 2 (the fourth byte read is the next group's or the slack).
+static inline int32x4_t k_sc4(const uint8_t * p, int P) {
+    uint32_t w;
+    memcpy(&w, p + 3 * P, 4);
+    const int32x4_t sh = { 0, -6, -12, -18 };
+    return vreinterpretq_s32_u32(vandq_u32(vshlq_u32(vdupq_n_u32(w), sh), vdupq_n_u32(63)));
+}
+
+// Four rows' Q6_K scales (int8 at p) as 4 int32.
+static inline int32x4_t sc6_4(const uint8_t * p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(w)))));
+}
+
+// Four rows' sums v (rows r .. r + 3 of the segment) of token t: stored at a, or folded into
+// t's super-block sums as the AVX-512 put_sums does.
+static inline __attribute__((always_inline)) void put_sums4(int32x4_t v, int32_t * a, const bool fold, const uint8_t * scp,
+                                                            int64_t r, const bool six, const int32_t * s8, int64_t t,
+                                                            int32_t * tsum, size_t i, bool t_first) {
+    if (!fold) {
+        vst1q_s32(a, v);
+        return;
+    }
+    if (six) v = vsubq_s32(v, vdupq_n_s32(32 * s8[t]));
+    const int32x4_t sc = six ? sc6_4(scp + r) : k_sc4(scp + k6_bytes(r), (int) ((r / 4) & 3));
+    const int32x4_t pv = vmulq_s32(sc, v);
+    vst1q_s32(tsum + i, t_first ? pv : vaddq_s32(vld1q_s32(tsum + i), pv));
+}
+
+// The AVX-512 groups_seg's work (same arguments) on 128-bit registers.
+static inline __attribute__((always_inline)) void groups_seg(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
+                                                             const int BITS, const int NG, const int32_t * cols,
+                                                             const int32_t * x4, int64_t T, int32_t * acc, bool first,
+                                                             const int32_t * pf, int npf, const bool fold, int64_t j,
+                                                             int32_t * tsum, bool t_first, const int32_t * s8, int64_t ta,
+                                                             int64_t tz) {
+    const bool six = s->scales == PI_CM_6K;
+    const uint8_t * scp = fold ? seg_sc(s, j) : NULL;
+    const int64_t n_pad = cm->n_pad;
+    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
+    for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
+    for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
+    int8x16_t x0[PI_CM_PASS_GROUPS];  // token 0's inputs of each group, in every lane
+    for (int g = 0; g < NG; ++g) x0[g] = vreinterpretq_s8_s32(vdupq_n_s32(x4[g * T]));
+    const int32x4_t off0 = q8_offset(x4, NG, T, 0, BITS);
+    for (int64_t ti = ta; ti < tz; ++ti) {
+        const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
+        pass_prefetch(s, BITS, NG, p, q, npf, cols, pf, ti, ta, tz);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t r = ti * TILE + h * HALF;
+            if (r >= s->n_rows) break;
+            for (int P = 0; P < 4; ++P) {
+                if (T == 1) {
+                    // one token: group by group into four running sums
+                    int32_t * a = acc + s->pad0 + r;
+                    int32x4_t v[4];
+                    for (int m = 0; m < 4; ++m) v[m] = first ? off0 : vaddq_s32(vld1q_s32(a + 16 * m + 4 * P), off0);
+                    for (int g = 0; g < NG; ++g) {
+                        int8x16_t w[4];
+                        part_w(p + 4 * g, lo, hi, BITS, h, P, w);
+                        for (int m = 0; m < 4; ++m) v[m] = vdotq_s32(v[m], w[m], x0[g]);
+                    }
+                    for (int m = 0; m < 4; ++m) {
+                        const int64_t rr = r + 16 * m + 4 * P;
+                        put_sums4(v[m], a + 16 * m + 4 * P, fold, scp, rr, six, s8, 0, tsum, s->pad0 + rr, t_first);
+                    }
+                    continue;
+                }
+                int8x16_t w[PI_CM_PASS_GROUPS][4];
+                for (int g = 0; g < NG; ++g) part_w(p + 4 * g, lo, hi, BITS, h, P, w[g]);
+                for (int64_t t = 0; t < T; ++t) {
+                    int8x16_t xt[PI_CM_PASS_GROUPS];
+                    for (int g = 0; g < NG; ++g) xt[g] = t == 0 ? x0[g] : vreinterpretq_s8_s32(vdupq_n_s32(x4[g * T + t]));
+                    const int32x4_t off = t == 0 ? off0 : q8_offset(x4, NG, T, t, BITS);
+                    int32_t * a = acc + t * n_pad + s->pad0 + r;
+                    for (int m = 0; m < 4; ++m) {
+                        int32x4_t v = first ? off : vaddq_s32(vld1q_s32(a + 16 * m + 4 * P), off);
+                        for (int g = 0; g < NG; ++g) v = vdotq_s32(v, w[g][m], xt[g]);
+                        const int64_t rr = r + 16 * m + 4 * P;
+                        put_sums4(v, a + 16 * m + 4 * P, fold, scp, rr, six, s8, t, tsum, t * n_pad + s->pad0 + rr, t_first);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Four fp16 values at p as floats.
+static inline float32x4_t f16x4(const ggml_fp16_t * p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *) p)));
+}
+
+// xblock 32: y (+)= a * (dx * acc) + b * sx over every segment's rows (first: from 0), a and b
+// as seg_ab computes them.
+static void fold_float(const struct pi_colmat * cm, const struct chunk_view * v, int64_t j, int64_t T, struct piece_buf pb,
+                       bool first) {
+    const int64_t n_pad = cm->n_pad;
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 4) {
+            float32x4_t a, b;
+            switch (s->scales) {
+                case PI_CM_D:
+                    a = f16x4(s->d + (size_t) (j / QK) * rows + r);
+                    b = vmulq_f32(vdupq_n_f32(-(float) s->offset), a);
+                    break;
+                case PI_CM_DM:
+                    a = f16x4(s->d + (size_t) (j / QK) * rows + r);
+                    b = f16x4(s->m + (size_t) (j / QK) * rows + r);
+                    break;
+                case PI_CM_K: {
+                    const float32x4_t d  = f16x4(s->d + (size_t) (j / QK_K) * rows + r);
+                    const float32x4_t dm = f16x4(s->m + (size_t) (j / QK_K) * rows + r);
+                    a = vmulq_f32(d, vcvtq_f32_s32(k_sc4(s->sc + sc_group(rows, j / QK, r), (int) ((r / 4) & 3))));
+                    int32_t mn[4];
+                    for (int i = 0; i < 4; ++i) mn[i] = k_min(s->mins, rows, j / QK, r + i);
+                    b = vnegq_f32(vmulq_f32(dm, vcvtq_f32_s32(vld1q_s32(mn))));
+                    break;
+                }
+                default: {  // PI_CM_6K
+                    const float32x4_t d = f16x4(s->d + (size_t) (j / QK_K) * rows + r);
+                    a = vmulq_f32(d, vcvtq_f32_s32(sc6_4(s->sc + (size_t) (j / 16) * rows + r)));
+                    b = vmulq_f32(vdupq_n_f32(-(float) s->offset), a);
+                    break;
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const float32x4_t x = vmulq_f32(vdupq_n_f32(v->dx[t]), vcvtq_f32_s32(vld1q_s32(pb.acc + i)));
+                const float32x4_t yv = vfmaq_f32(first ? vdupq_n_f32(0.0f) : vld1q_f32(pb.y + i), a, x);
+                vst1q_f32(pb.y + i, vfmaq_f32(yv, b, vdupq_n_f32(v->sx[t])));
+            }
+        }
+    }
+}
+
+// Two rows' 6-bit minimums (6 bytes a row from p) as bytes, row i's 8 in 64-bit lane i (the
+// AVX-512 k_min8's halvings on two lanes).
+static inline uint8x16_t k_min2(const uint8_t * p) {
+    static const uint8_t at[16] = { 0, 1, 2, 3, 4, 5, 255, 255, 6, 7, 8, 9, 10, 11, 255, 255 };
+    uint64x2_t v = vreinterpretq_u64_u8(vqtbl1q_u8(vld1q_u8(p), vld1q_u8(at)));  // index 255: 0
+    v = vbslq_u64(vdupq_n_u64(0x00FFFFFF00000000ULL), vshlq_n_u64(v, 8), v);
+    v = vbslq_u64(vdupq_n_u64(0x0FFF00000FFF0000ULL), vshlq_n_u64(v, 4), v);
+    v = vbslq_u64(vdupq_n_u64(0x3F003F003F003F00ULL), vshlq_n_u64(v, 2), v);
+    return vandq_u8(vreinterpretq_u8_u64(v), vdupq_n_u8(63));
+}
+
+// Per 32-bit lane: 4 of a row's minimums times the sub-blocks' sums S = l + 128 h (l, h
+// signed bytes), i.e. lanes 2i, 2i + 1 are the halves of row i's sum.
+static inline int32x4_t min_dot(uint8x16_t m, int8x16_t l, int8x16_t h) {
+    const int8x16_t ms = vreinterpretq_s8_u8(m);  // at most 63
+    return vaddq_s32(vdotq_s32(vdupq_n_s32(0), ms, l), vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), ms, h), 7));
+}
+
+// xblock 256, at a super-block's end: the AVX-512 fold_superblock on 4 rows a step.
+static void fold_superblock(const struct pi_colmat * cm, const struct prep_view * prep, int64_t u, int64_t T,
+                            const float * dx, struct piece_buf pb, bool first) {
+    const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
+    int8x16_t lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes, in each 64-bit lane
+    bool any_min = false;
+    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    for (int64_t t = 0; t < T && any_min; ++t) {
+        int32_t S[8] = { 0 };
+        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
+        uint64_t l = 0, h = 0;
+        for (int i = 0; i < 8; ++i) {
+            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
+            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
+        }
+        lo[t] = vreinterpretq_s8_u64(vdupq_n_u64(l));
+        hi[t] = vreinterpretq_s8_u64(vdupq_n_u64(h));
+    }
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        const size_t rows = (size_t) s->n_tiles * TILE;
+        const bool mins = s->scales == PI_CM_K;
+        int64_t ta, tz;
+        seg_tiles(cm, k, pb.ga, pb.gb, &ta, &tz);
+        const int64_t r_end = tz * TILE < s->n_rows ? tz * TILE : s->n_rows;
+        for (int64_t r = ta * TILE; r < r_end; r += 4) {
+#if PI_CM_SCALE_PREFETCH
+            if (r + PI_CM_SCALE_AHEAD < r_end) {
+                const int64_t ra = r + PI_CM_SCALE_AHEAD;
+                if (ra % 32 == 0) {
+                    PI_CM_PREFETCH_L1(s->d + (size_t) u * rows + ra);
+                    if (mins) PI_CM_PREFETCH_L1(s->m + (size_t) u * rows + ra);
+                }
+                if (mins && ra % 8 == 0) PI_CM_PREFETCH_L1(s->mins + min_group(rows, u, ra));
+            }
+#endif
+            const float32x4_t d  = f16x4(s->d + (size_t) u * rows + r);
+            const float32x4_t dm = mins ? f16x4(s->m + (size_t) u * rows + r) : vdupq_n_f32(0.0f);
+            uint8x16_t m0 = vdupq_n_u8(0), m1 = m0;
+            if (mins) {
+                m0 = k_min2(s->mins + min_group(rows, u, r));      // rows r, r + 1
+                m1 = k_min2(s->mins + min_group(rows, u, r + 2));  // rows r + 2, r + 3
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = t * n_pad + s->pad0 + r;
+                const float32x4_t dxt = vdupq_n_f32(dx[t]);
+                const float32x4_t y0 = first ? vdupq_n_f32(0.0f) : vld1q_f32(pb.y + i);
+                float32x4_t yv = vfmaq_f32(y0, vcvtq_f32_s32(vld1q_s32(pb.t + i)), vmulq_f32(d, dxt));
+                if (mins) {
+                    // pairwise: (row r's halves, row r + 1's) of m0, then m1's: rows in order
+                    const int32x4_t off = vpaddq_s32(min_dot(m0, lo[t], hi[t]), min_dot(m1, lo[t], hi[t]));
+                    yv = vfmsq_f32(yv, vcvtq_f32_s32(off), vmulq_f32(dm, dxt));
+                }
+                vst1q_f32(pb.y + i, yv);
             }
         }
     }
