@@ -177,6 +177,12 @@ def driver_targets(kind: str) -> list[Target]:
                howto=f"cmake --build build --target {kind}-{level}")
         for level in all_levels()
     ]
+    if host == "x86_64":
+        # the avxvnni kernels on an AVX-512 VNNI CPU, their vpdpbusd in its EVEX form (CMakeLists.txt)
+        targets.append(Target(kind, host, "avxvnni-emu", driver(kind, "avxvnni-emu"),
+                              unrunnable="" if "avx512" in runnable else
+                              "the avxvnni-emu drivers need an AVX-512 VNNI CPU",
+                              howto=f"cmake --build build --target {kind}-avxvnni-emu"))
     wanted = os.environ.get("POWERINFER_AARCH64", "1") != "0"  # scripts/test.sh's switch
     if host == "x86_64" and ((wanted and AARCH64_BUILD.exists()) or require_aarch64()):
         targets += _aarch64_targets(kind)

@@ -112,7 +112,7 @@ def test_input_product_bits_are_the_same_at_every_level(tmp_path):
 
     # this machine's levels (emulated ones quantize the weights with another build of ggml)
     targets = [t.require() for t in kernel_levels.driver_targets("test-input-sparse") if not t.runner and not t.unrunnable]
-    assert [t.level for t in targets] == RUNNABLE
+    assert set(RUNNABLE) <= {t.level for t in targets}
     rng = np.random.default_rng(54)
     for types in (["q4_0"], ["q4_K"], ["q5_K"], ["q6_K"], ["q8_0"], ["q5_0", "q4_1", "q6_K"], ["q4_K", "q5_1"]):
         segs = [(t, tis._weights(rng, 256, 512)) for t in types]
