@@ -44,11 +44,13 @@ PROMPT_TEXT = (
 )
 
 
-def sparse_path(model: str, sparsity: float) -> str:
-    return str(cache_dir() / "sparse" / f"{Path(model).stem}.input{round(100 * sparsity):02d}.gguf")
+def sparse_path(model: str, sparsity: float, allocation: str = "measured") -> str:
+    tag = "" if allocation == "measured" else f".{allocation}"
+    return str(cache_dir() / "sparse" / f"{Path(model).stem}.input{round(100 * sparsity):02d}{tag}.gguf")
 
 
-def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], threads: int) -> Dict[str, str]:
+def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], threads: int,
+                allocation: str = "measured") -> Dict[str, str]:
     """The sparse copies of model at these sparsities, made once (sparsify, one calibration
     for all of them) and reused while newer than the model and written by a sparsify that
     allocates the output matrix too, knowing its exact top rows (they carry those keys)."""
@@ -61,12 +63,12 @@ def make_sparse(model: str, sparsities: Sequence[float], corpus: Sequence[str], 
 
     paths, histograms, weights = {}, None, None
     for sparsity in sparsities:
-        out = paths[f"{sparsity:.2f}"] = sparse_path(model, sparsity)
+        out = paths[f"{sparsity:.2f}"] = sparse_path(model, sparsity, allocation)
         if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(model) or not current(out):
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             print(f"sparsify {model} at {sparsity:.0%} -> {out}", file=sys.stderr, flush=True)
             r = sparsify(model, out, sparsity, corpus, 0 if corpus else 2048, threads=threads, histograms=histograms,
-                         weights=weights)
+                         weights=weights, allocation=allocation)
             histograms = r["histograms"] or histograms
             weights = r["weights"] if r["weights"] is not None else weights
     return paths
@@ -207,6 +209,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prompts", default="64,512")
     p.add_argument("--prompt-reps", type=int, default=3)
     p.add_argument("--no-rss", action="store_true")
+    p.add_argument("--allocation", choices=("measured", "greedy"), default="measured",
+                   help="sparsify's allocation of the copies (greedy: no sensitivity probe, quicker to make)")
     p.add_argument("--levels", default="simd",
                    help="kernel levels to run ours at, comma-separated (POWERINFER_KERNELS), or 'simd': every level this "
                         "CPU runs that has a SIMD column product (all but scalar), or 'auto': the library's choice")
@@ -238,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 1
     domains = [list(d) for d in parse_domains(a.text)] if a.text else []
-    paths = make_sparse(a.model, sparsities, a.corpus, a.threads)
+    paths = make_sparse(a.model, sparsities, a.corpus, a.threads, a.allocation)
     results: Dict[str, Any] = {"model": a.model, "threads": a.threads, "decode": {}, "prompt": {}, "rss": {}}
     try:
         for level in levels:
