@@ -810,6 +810,27 @@ static void piece_scalar(const struct pi_colmat * cm, const struct prep_view * p
 }
 
 #ifdef PI_CM_SIMD
+// For the K-quant minimums' fold at super-block c0 / per's end: per token t, the sums S of
+// its 8-bit inputs over each of the 8 sub-blocks, as S = l + 128 h with l = S & 127 (bytes of
+// l8[t]) and h = S >> 7 (signed bytes of h8[t]; |S| <= 32 * 127, so h fits). False when no
+// segment has minimums (nothing is computed).
+static bool sub_sum_bytes(const struct pi_colmat * cm, const struct prep_view * prep, int64_t c0, int64_t T, uint64_t * l8,
+                          uint64_t * h8) {
+    bool any_min = false;
+    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    const int64_t C = cm->chunk, per = QK_K / C;
+    for (int64_t t = 0; t < T && any_min; ++t) {
+        int32_t S[8] = { 0 };
+        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
+        l8[t] = h8[t] = 0;
+        for (int i = 0; i < 8; ++i) {
+            l8[t] |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
+            h8[t] |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
+        }
+    }
+    return any_min;
+}
+
 // The per-chunk scales of column j's sub-block (K: 6-bit per 32 columns; 6K: int8 per 16).
 static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) {
     const size_t rows = (size_t) (s->n_tiles * TILE);
@@ -1060,18 +1081,11 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                             const float * dx, struct piece_buf pb, bool first) {
     const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
     __m512i lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes, lanes alternating 0-3 / 4-7
-    bool any_min = false;
-    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    uint64_t l8[PI_COLMAT_MAX_TOKENS], h8[PI_COLMAT_MAX_TOKENS];
+    const bool any_min = sub_sum_bytes(cm, prep, c0, T, l8, h8);
     for (int64_t t = 0; t < T && any_min; ++t) {
-        int32_t S[8] = { 0 };
-        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
-        uint64_t l = 0, h = 0;
-        for (int i = 0; i < 8; ++i) {
-            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
-            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
-        }
-        lo[t] = _mm512_set1_epi64((long long) l);
-        hi[t] = _mm512_set1_epi64((long long) h);
+        lo[t] = _mm512_set1_epi64((long long) l8[t]);
+        hi[t] = _mm512_set1_epi64((long long) h8[t]);
     }
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd  = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -1415,18 +1429,11 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                             const float * dx, struct piece_buf pb, bool first) {
     const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
     __m256i lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes
-    bool any_min = false;
-    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    uint64_t l8[PI_COLMAT_MAX_TOKENS], h8[PI_COLMAT_MAX_TOKENS];
+    const bool any_min = sub_sum_bytes(cm, prep, c0, T, l8, h8);
     for (int64_t t = 0; t < T && any_min; ++t) {
-        int32_t S[8] = { 0 };
-        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
-        uint64_t l = 0, h = 0;
-        for (int i = 0; i < 8; ++i) {
-            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
-            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
-        }
-        lo[t] = _mm256_set1_epi64x((long long) l);
-        hi[t] = _mm256_set1_epi64x((long long) h);
+        lo[t] = _mm256_set1_epi64x((long long) l8[t]);
+        hi[t] = _mm256_set1_epi64x((long long) h8[t]);
     }
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
@@ -1701,18 +1708,11 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
                             const float * dx, struct piece_buf pb, bool first) {
     const int64_t C = cm->chunk, n_pad = cm->n_pad, per = QK_K / C, c0 = u * per;
     int8x16_t lo[PI_COLMAT_MAX_TOKENS], hi[PI_COLMAT_MAX_TOKENS];  // the sub-blocks' l and h bytes, in each 64-bit lane
-    bool any_min = false;
-    for (int k = 0; k < cm->n_segs; ++k) any_min |= cm->seg[k].scales == PI_CM_K;
+    uint64_t l8[PI_COLMAT_MAX_TOKENS], h8[PI_COLMAT_MAX_TOKENS];
+    const bool any_min = sub_sum_bytes(cm, prep, c0, T, l8, h8);
     for (int64_t t = 0; t < T && any_min; ++t) {
-        int32_t S[8] = { 0 };
-        for (int64_t c = c0; c < c0 + per; ++c) S[(c - c0) * C / QK] += chunk_at(prep, c, C, T).s8[t];
-        uint64_t l = 0, h = 0;
-        for (int i = 0; i < 8; ++i) {
-            l |= (uint64_t) (uint8_t) (S[i] & 127) << (8 * i);
-            h |= (uint64_t) (uint8_t) (int8_t) (S[i] >> 7) << (8 * i);
-        }
-        lo[t] = vreinterpretq_s8_u64(vdupq_n_u64(l));
-        hi[t] = vreinterpretq_s8_u64(vdupq_n_u64(h));
+        lo[t] = vreinterpretq_s8_u64(vdupq_n_u64(l8[t]));
+        hi[t] = vreinterpretq_s8_u64(vdupq_n_u64(h8[t]));
     }
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
