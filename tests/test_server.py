@@ -751,3 +751,28 @@ def test_disconnect_stops_a_whole_completion(live):
         assert c.get("/health").json()["requests_waiting"] == 0
         r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, **GREEDY})
         assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------- issue 53
+
+
+def _texts(c: Any, n: int, **request: Any) -> List[str]:
+    out = []
+    for _ in range(n):
+        r = c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0, **request})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def test_unseeded_samples_differ_across_server_starts(smollm2_path):
+    """Every start of the server drew the same unseeded samples (its seed stream began at the
+    fixed default seed); a request's explicit seed gives the same sample on every start."""
+    starts = []
+    for _ in range(2):
+        with ServerProcess(smollm2_path, "--n_ctx", str(N_CTX), "--n_parallel", "4") as server:
+            with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+                starts.append((_texts(c, 3), _texts(c, 1, seed=7)))
+    (unseeded1, seeded1), (unseeded2, seeded2) = starts
+    assert unseeded1 != unseeded2
+    assert seeded1 == seeded2
