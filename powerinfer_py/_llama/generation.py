@@ -173,7 +173,7 @@ def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, 
         return run_ahead(seq, tokens, sampler, reset, n_predict, stop_tokens, resume, llama.verbose)
     loop = start(llama, tokens, sampler, reset, stopping_criteria)
     lockstep = getattr(backend, "lockstep", None)
-    return lockstep(loop) if lockstep is not None else loop
+    return lockstep(loop, sampler.checks) if lockstep is not None else loop
 
 
 def start(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria,
