@@ -61,6 +61,8 @@ def _parse_json_object(arg: str) -> Dict[str, Any]:
     return value
 
 
+_SHUTDOWN_GRACE_S = 3
+
 # llama.cpp's server spellings of some fields, beside llama_cpp.server's.
 _ALIASES = {"rpc_servers": ["--rpc"]}
 
@@ -167,6 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             port=server_settings.port,
             ssl_keyfile=server_settings.ssl_keyfile,
             ssl_certfile=server_settings.ssl_certfile,
+            # After SIGTERM/SIGINT every generation is cancelled and streams end at once; what
+            # still runs after this long (an embedding, say) is not waited for.
+            timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         )
     )
     if failed:  # failed before the server existed
