@@ -750,3 +750,5 @@ def test_main_prints_its_random_seed_and_repeats_a_given_one(smollm2_path, cli_p
     (text1, seed1), (text2, seed2) = run(), run()
     assert seed1 != seed2 and text1 != text2
     assert run("-s", seed1) == (text1, seed1)
+    # Any seed it prints is taken back (half of them are above INT32_MAX, which -s refused).
+    assert run("-s", "4000000000") == run("-s", "4000000000")

@@ -208,8 +208,11 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         else if (IS("-c") || IS("--ctx-size"))        ok = parse_int(val, 0, 1 << 22, &a->n_ctx);
         else if (IS("-b") || IS("--batch-size"))      ok = parse_int(val, 1, 1 << 16, &a->n_batch);
         else if (IS("-s") || IS("--seed")) {
-            int32_t s;
-            ok = parse_int(val, -1, INT32_MAX, &s);
+            // -1: random; else any seed main prints (a uint32 below 0xFFFFFFFF, libllama's "random").
+            char * end;
+            errno = 0;
+            const long long s = strtoll(val, &end, 10);
+            ok = !errno && end != val && !*end && s >= -1 && s < 0xFFFFFFFFLL;
             a->seed = s < 0 ? 0xFFFFFFFFu : (uint32_t) s;
         }
         else if (IS("--temp"))                        ok = parse_float(val, &a->temp);
