@@ -226,6 +226,9 @@ class Llama:
         """
         init_params = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
         init_params.update(kwargs)
+        # The default seed is a random one, drawn once here: what this Llama samples unseeded
+        # differs from start to start; an explicit seed repeats (the fallback engine gets it too).
+        init_params["seed"] = _generation.resolve_seed(seed)
         # Set first so close() and __getattr__ work on a half-built object.
         self._model: Optional[Model] = None
         self._ctx: Optional[Context] = None
@@ -335,7 +338,7 @@ class Llama:
         self.n_batch = min(n_ctx, n_batch) if n_ctx > 0 else n_batch
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
-        self._seed = seed or LLAMA_DEFAULT_SEED
+        self._seed = seed
         self._logits_all = p["logits_all"]
         self.last_n_tokens_size = p["last_n_tokens_size"]
         self.spm_infill = p["spm_infill"]
@@ -429,7 +432,7 @@ class Llama:
             flash_attn = True  # the slots' attention, which is flash attention's place in the graph
         try:
             ctx = Context(
-                self._model, n_ctx=n_ctx, n_batch=self.n_batch, seed=(seed or LLAMA_DEFAULT_SEED) & 0xFFFFFFFF,
+                self._model, n_ctx=n_ctx, n_batch=self.n_batch, seed=seed,
                 n_threads=self.n_threads, n_threads_batch=self.n_threads_batch,
                 flash_attn=-1 if flash_attn is None else int(bool(flash_attn)),
                 embeddings=embedding, batch_invariant=self.batch_invariant,
@@ -731,8 +734,9 @@ class Llama:
 
     @_delegates
     def set_seed(self, seed: int) -> None:
-        """The seed of the next sampler (create_completion derives a new one per call unless given)."""
-        self._seed = seed
+        """The seed of the next sampler (create_completion derives a new one per call unless given);
+        -1 or LLAMA_DEFAULT_SEED: a random one."""
+        self._seed = _generation.resolve_seed(seed)
 
     @_delegates
     def reset(self) -> None:

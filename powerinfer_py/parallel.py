@@ -54,6 +54,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ._core import Batcher, Context, PowerInferError, Sampler, release_threads
+from ._core.errors import ERR_ABORTED
 from ._llama.sequence import Sequence as SequenceState
 from ._llama.sequence import common_prefix
 from ._llama.speculative import SpeculativeStats
@@ -75,6 +76,10 @@ class SlotBackend:
     (sequence.SequenceBackend): decoded by the pool's batcher. It also lets generation.generate
     run a generation ahead in the core (run_ahead), in lockstep with the batcher's steps
     (lockstep), and start from an idle slot's prefix (adopt_prefix)."""
+
+    # A cancelled generation (CancelCheck) stops its prompt within a step of the batcher: the
+    # Sequence does not cut the prompt into slices of its own (sequence.Sequence.eval).
+    cancels_in_core = True
 
     def __init__(self, pool: "ParallelLlama", seq: int, n_ctx: int):
         self._pool, self.seq_id, self._n_ctx = pool, seq, n_ctx
@@ -123,8 +128,8 @@ class SlotBackend:
     def adopt_prefix(self, seq: SequenceState, tokens: List[int], with_rows: bool) -> None:
         self._pool._adopt_prefix(self.seq_id, seq, tokens, with_rows)
 
-    def lockstep(self, loop: Iterator[int]):
-        return self._pool._lockstep(self.seq_id, loop)
+    def lockstep(self, loop: Iterator[int], checks: Sequence[Any] = ()):
+        return self._pool._lockstep(self.seq_id, loop, checks)
 
     def run_ahead(self, seq: SequenceState, tokens: List[int], sampler: Sampler, reset: bool,
                   n_predict: Optional[int], stop_tokens: List[int], resume, verbose: bool):
@@ -314,16 +319,43 @@ class ParallelLlama:
         with self._batcher.locked() as ctx:
             return fn(ctx)
 
-    def _lockstep(self, seq_id: int, tokens: Iterator[int]):
+    def _lockstep(self, seq_id: int, tokens: Iterator[int], checks: Sequence[Any] = ()):
         """A generation sampled in Python (Llama.generate on the slot): while it runs, each
-        step waits for the slot's next decode."""
+        step waits for the slot's next decode. `checks`: its sampler's CancelChecks."""
         self._count("runs_lockstep")
         self._batcher.set_lockstep(seq_id, True)
         try:
-            return (yield from tokens)
+            with self._cancel_on(seq_id, checks):
+                return (yield from tokens)
         finally:
             with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing waits for it
                 self._batcher.set_lockstep(seq_id, False)
+
+    @contextlib.contextmanager
+    def _cancel_on(self, seq_id: int, checks: Sequence[Any]) -> Iterator[None]:
+        """While a generation of slot `seq_id` runs: once one of its CancelChecks' events is
+        set, the batcher stops the slot's work within a step (a long prompt is not read to its
+        end for nobody), and the core's POWERINFER_ERR_ABORTED becomes the check's own error."""
+        batcher = self._batcher
+
+        def cancel() -> None:
+            with contextlib.suppress(RuntimeError):  # closed: nothing runs any more
+                batcher.set_cancelled(seq_id, True)
+
+        batcher.set_cancelled(seq_id, False)
+        try:
+            with contextlib.ExitStack() as watches:
+                for check in checks:
+                    watches.enter_context(check.watch(cancel))
+                yield
+        except PowerInferError as exc:
+            if exc.status == ERR_ABORTED:
+                for check in checks:
+                    check.check()
+            raise
+        finally:
+            with contextlib.suppress(RuntimeError):
+                batcher.set_cancelled(seq_id, False)
 
     def _count(self, name: str) -> None:
         with self._slot_cond:
@@ -352,47 +384,57 @@ class ParallelLlama:
             seq.n_tokens -= 1
             todo = [int(seq.input_ids[seq.n_tokens])]
         try:
-            while True:
-                pos = seq.n_tokens
-                seq.check_window(pos, len(todo))
-                if todo[-1] in stop_tokens:
-                    # Llama.generate evaluates it, samples, and its stopping criterion ends
-                    # the generation before the sampled token is handed over.
-                    seq.eval(todo)
-                    return
-                seq.forget_rows_from(pos)  # the core decodes from pos on: no rows in Python
-                batcher.generate(seq_id, todo, pos, sampler, n_predict or 0, seq.n_ctx, stop_tokens)
-                seq.input_ids[pos : pos + len(todo)] = todo
-                seq.n_tokens = pos + len(todo)
-                last: Optional[int] = None
-                while True:
-                    got = batcher.next(seq_id)
-                    if not got:
-                        break
-                    for token in got:
-                        for check in sampler.checks:  # as the sampler runs them before each token
-                            check.check()
-                        if last is not None:  # the batcher decoded it before sampling this one
-                            seq.input_ids[seq.n_tokens] = last
-                            seq.n_tokens += 1
-                        drafts = yield token
-                        last = token
-                        if drafts:
-                            # Draft tokens to check: that is Llama.generate's loop, on rows of
-                            # logits in Python; the run ahead ends at the token sent back.
-                            batcher.stop(seq_id, seq.n_tokens)
-                            yield from self._lockstep(seq_id, resume([token, *(int(t) for t in drafts)]))
-                            return
-                if last is None:
-                    raise PowerInferError(f"sequence {seq_id} ended its run without a token")
-                # The run ended (n_predict, an end-of-generation or stop token, the context)
-                # and the caller asks for more: its last token is decoded in a new run.
-                todo, n_predict = [last], None
+            with self._cancel_on(seq_id, sampler.checks):
+                yield from self._run(seq_id, seq, todo, sampler, n_predict, stop_tokens, resume)
         finally:
             batcher.stop(seq_id, seq.n_tokens)  # nothing to stop once the pool's close() ended every run
             seq.requires_eval = True  # the last logits were the core's, never the slot's
             if seq.sampler is sampler:
                 seq.sampler = None
+
+    def _run(self, seq_id: int, seq: SequenceState, todo: List[int], sampler: Sampler, n_predict: Optional[int],
+             stop_tokens: List[int], resume):
+        """_run_ahead's loop, from its first tokens to decode (`todo`)."""
+        batcher = self._batcher
+        while True:
+            pos = seq.n_tokens
+            seq.check_window(pos, len(todo))
+            if todo[-1] in stop_tokens:
+                # Llama.generate evaluates it, samples, and its stopping criterion ends
+                # the generation before the sampled token is handed over.
+                seq.eval(todo)
+                return
+            seq.forget_rows_from(pos)  # the core decodes from pos on: no rows in Python
+            batcher.generate(seq_id, todo, pos, sampler, n_predict or 0, seq.n_ctx, stop_tokens)
+            # Held once its first token comes: a cancel may stop the prompt midway, and the
+            # slot must not offer a prompt prefix whose cells were never computed.
+            seq.input_ids[pos : pos + len(todo)] = todo
+            last: Optional[int] = None
+            while True:
+                got = batcher.next(seq_id)
+                if not got:
+                    break
+                seq.n_tokens = max(seq.n_tokens, pos + len(todo))
+                for token in got:
+                    for check in sampler.checks:  # as the sampler runs them before each token
+                        check.check()
+                    if last is not None:  # the batcher decoded it before sampling this one
+                        seq.input_ids[seq.n_tokens] = last
+                        seq.n_tokens += 1
+                    drafts = yield token
+                    last = token
+                    if drafts:
+                        # Draft tokens to check: that is Llama.generate's loop, on rows of
+                        # logits in Python; the run ahead ends at the token sent back.
+                        batcher.stop(seq_id, seq.n_tokens)
+                        yield from self._lockstep(seq_id, resume([token, *(int(t) for t in drafts)]),
+                                                  sampler.checks)
+                        return
+            if last is None:
+                raise PowerInferError(f"sequence {seq_id} ended its run without a token")
+            # The run ended (n_predict, an end-of-generation or stop token, the context)
+            # and the caller asks for more: its last token is decoded in a new run.
+            todo, n_predict = [last], None
 
     # ---- observability and lifetime ----------------------------------------------------------
 

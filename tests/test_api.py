@@ -698,3 +698,57 @@ def test_greedy_takes_the_first_of_equal_largest_logits(ours):
             for t in low[: 600 if window > 64 else 20]:
                 lib.powerinfer_sampler_accept(s.ptr, t)
             assert s.sample(_Rows(row), -1, np.zeros(0, dtype=np.intc)) == top[0], (trial, penalty, window)
+
+
+# ---- seeds (issue 53, item 2) ----------------------------------------------------------------
+
+
+def _first_sample(smollm2_path, **llama_kwargs):
+    from powerinfer_py import Llama
+
+    with Llama(smollm2_path, **{**KW, "n_ctx": 128, **llama_kwargs}) as llm:
+        return [llm.create_completion("Once upon a time", max_tokens=10, temperature=1.0)["choices"][0]["text"]
+                for _ in range(2)]
+
+
+def test_default_seed_is_random_and_an_explicit_seed_repeats(smollm2_path):
+    """The default seed (LLAMA_DEFAULT_SEED) started every Llama's seed stream at the same
+    value, so two starts of a program drew the same unseeded samples. It now means a random
+    seed, like -1; an explicit one (0 included) gives the same samples on every start."""
+    from powerinfer_py import Llama
+    from powerinfer_py.llama import LLAMA_DEFAULT_SEED
+
+    firsts = {tuple(_first_sample(smollm2_path)) for _ in range(2)}
+    firsts.add(tuple(_first_sample(smollm2_path, seed=-1)))
+    firsts.add(tuple(_first_sample(smollm2_path, seed=LLAMA_DEFAULT_SEED)))
+    assert len(firsts) == 4, firsts
+    for seed in (42, 0):
+        assert _first_sample(smollm2_path, seed=seed) == _first_sample(smollm2_path, seed=seed)
+    with Llama(smollm2_path, **{**KW, "n_ctx": 128}) as llm:
+        # A per-call -1 is "unseeded" too: the next seed of the stream, not seed -1.
+        texts = {llm.create_completion("Once upon a time", max_tokens=10, temperature=1.0, seed=-1)["choices"][0]["text"]
+                 for _ in range(3)}
+        assert len(texts) == 3, texts
+        for bad in (2**32, 1.5, "7"):
+            with pytest.raises(ValueError, match="seed"):
+                llm.set_seed(bad)
+    with pytest.raises(ValueError, match="seed"):
+        Llama(smollm2_path, seed=2**40, **{**KW, "n_ctx": 128})
+
+
+def test_main_prints_its_random_seed_and_repeats_a_given_one(smollm2_path, cli_path):
+    """`main` without -s (llama.cpp's -s -1) samples with a fresh seed each run and prints it,
+    so that `-s SEED` repeats the run."""
+    def run(*extra):
+        r = subprocess.run([str(cli_path), "-m", smollm2_path, "-p", "Once upon a time", "-n", "12", "-t", str(N_THREADS),
+                            "-c", "128", "--temp", "1", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        seed = [line.split("=")[1].strip() for line in r.stderr.splitlines() if line.startswith("seed")]
+        assert len(seed) == 1, r.stderr
+        return r.stdout, seed[0]
+
+    (text1, seed1), (text2, seed2) = run(), run()
+    assert seed1 != seed2 and text1 != text2
+    assert run("-s", seed1) == (text1, seed1)
+    # Any seed it prints is taken back (half of them are above INT32_MAX, which -s refused).
+    assert run("-s", "4000000000") == run("-s", "4000000000")

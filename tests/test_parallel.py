@@ -1199,3 +1199,83 @@ def test_server_disconnect_frees_the_slot_of_a_run_ahead(parallel_server):
     time.sleep(0.5)
     assert metric("powerinfer_tokens_generated_total") == after  # the run stopped
     assert after - generated < 200
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["run-ahead", "lockstep"])
+def test_a_cancelled_slot_stops_its_prompt_within_a_step(smollm2_path, lockstep):
+    """Issue 53, item 6: a generation's cancel check ran only before each sampled token, so a
+    cancelled request still had its whole prompt read (a server's gone client held its slot a
+    minute for a long prompt). Now the batcher stops the slot's prompt at its next chunk; what
+    the slot holds afterwards is consistent (the same prompt then gives the solo run's text)."""
+    from powerinfer_py import LogitsProcessorList
+    from powerinfer_py._core import CancelCheck, CancelEvent
+
+    prompt = [100 + (i * 7919) % 40000 for i in range(300)]
+    with Llama(model_path=smollm2_path, n_ctx=512, n_threads=2, verbose=False, batch_invariant=True) as solo:
+        expected = solo.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    with Llama(model_path=smollm2_path, n_ctx=512, n_threads=2, verbose=False) as llm, \
+            ParallelLlama(llm, n_parallel=2) as pool:
+        event = CancelEvent()
+        processors = [CancelCheck(event, _Cancelled)]
+        if lockstep:  # a Python logits processor: the slot samples in Python, step by step
+            processors.insert(0, lambda input_ids, scores: scores)
+
+        def cancel_after_the_first_chunk() -> None:  # (16 tokens; the next ones are larger)
+            deadline = time.monotonic() + 60
+            while pool.stats["prompt_chunks"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            event.set()
+
+        with pool.slot() as slot:
+            canceller = threading.Thread(target=cancel_after_the_first_chunk)
+            canceller.start()
+            with pytest.raises(_Cancelled):
+                slot.create_completion(prompt, max_tokens=4, temperature=0.0,
+                                       logits_processor=LogitsProcessorList(processors))
+            canceller.join()
+        # The first chunk, and the one under way when the cancel came, at most.
+        assert pool.stats["tokens_prompt"] < len(prompt), pool.stats
+        for _ in range(2):  # the cancelled slot, then the other (which may adopt its prefix)
+            with pool.slot() as slot:
+                assert slot.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["no-draft", "prompt-lookup"])
+def test_concurrent_requests_each_get_their_own_sample(smollm2_path, draft):
+    """Issue 53, item 1: identical and different prompts, greedy, seeded and unseeded, on 1 and
+    4 slots, with and without a draft, eight requests at once: greedy and seeded answers are
+    the solo run's (so each first token comes from its own prompt's logits), unseeded ones
+    are never empty on prompts the model continues and differ from one another."""
+    from powerinfer_py import LlamaPromptLookupDecoding
+
+    prompts = ["Once upon a time", "The three most important things about the sea are", "My favourite recipe is",
+               "In the year 2050,"]
+
+    def make() -> Llama:
+        return Llama(model_path=smollm2_path, n_ctx=512, n_threads=2, verbose=False, batch_invariant=True,
+                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4) if draft else None)
+
+    with make() as solo, make() as llm:
+        for n_parallel in (1, 4):
+            with ParallelLlama(llm, n_parallel=n_parallel) as pool:
+                for same in (True, False):
+                    asked = [prompts[0] if same else prompts[i % 4] for i in range(8)]
+                    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=1234), dict(temperature=1.0)):
+                        def ask(prompt: str) -> str:
+                            with pool.slot() as slot:
+                                return slot.create_completion(prompt, max_tokens=8, **sampling)["choices"][0]["text"]
+
+                        with ThreadPoolExecutor(8) as ex:
+                            texts = list(ex.map(ask, asked))
+                        case = (n_parallel, same, sampling)
+                        assert all(texts), (case, texts)
+                        if "seed" in sampling or sampling["temperature"] == 0.0:
+                            expected = {p: solo.create_completion(p, max_tokens=8, **sampling)["choices"][0]["text"]
+                                        for p in set(asked)}
+                            assert texts == [expected[p] for p in asked], case
+                        else:
+                            assert len(set(texts)) >= 6, (case, texts)

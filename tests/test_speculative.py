@@ -486,3 +486,58 @@ def test_server_refuses_an_unknown_draft_method(model_file):
     proc = subprocess.run([sys.executable, "-m", "powerinfer_py.server", "--model", model_file("smollm2"),
                            "--draft_max", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "draft_max" in proc.stderr, proc.stderr
+
+
+# ---- the draft length's timings (issue 53, item 7) -------------------------------------------
+
+
+def _simulate(length, steps, verify_s, kept, slow_at=None):
+    """Steps of a generation driven by `length`: a check of k drafts takes verify_s(k) seconds
+    (slow_at: the check at that step takes 20x as long) and keeps kept(k); the k of each step."""
+    ks = []
+    for step in range(steps):
+        k = length.choose(8, 0)
+        seconds = verify_s(k) * (20 if step == slow_at and k else 1)
+        length.record_decode(k, seconds)
+        length.record_outcome(k, kept(k))
+        ks.append(k)
+    return ks
+
+
+def test_draft_length_recovers_from_one_slow_check():
+    """One check timed during a moment of load (20x a step) turned drafting off for good: only
+    one-token steps were timed afterwards, so the slow check's timing never changed. Now a step
+    drafts now and then anyway (a probe) and its timing replaces the stale one; where drafting
+    does not pay the probes grow rare."""
+    fast = speculative.DraftLength()
+    ks = _simulate(fast, 300, lambda k: 0.010 + 0.0005 * k, lambda k: k, slow_at=3)
+    assert ks[3] > 0 and sum(k > 0 for k in ks[-100:]) >= 90, ks
+    assert fast.verify_s[8] < 0.02, fast.verify_s
+    # Checks that cost 10 one-token steps and keep nothing: a handful of probes in 1000 steps.
+    slow = speculative.DraftLength()
+    ks = _simulate(slow, 1000, lambda k: 0.010 * (10 if k else 1), lambda k: 0)
+    assert 1 <= slow.probes <= 7 and sum(k > 0 for k in ks) <= 10, (slow.probes, ks)
+
+
+def test_one_slow_check_does_not_turn_drafting_off(model_file):
+    """The same with the real engine, on a Llama and on each ParallelLlama slot (each has its
+    own timings): after a check timed as if under load, drafting resumes within the stream."""
+    path = model_file("smollm2")
+    prompt = COPY_PROMPT + " plums, cherries, figs, dates, limes, lemons, grapes, melons.\nList: apples, pears,"
+
+    def slow_then_generate(llm, length):
+        _completion_tokens(llm, prompt, n=24)  # times one-token steps and checks
+        assert 0 in length.verify_s and len(length.verify_s) > 1, length.verify_s
+        for k in length.verify_s:  # one check slowed 50-fold by a moment of load
+            if k:
+                length.verify_s[k] = 50 * length.verify_s[0]
+        before = llm._drafter.stats.verify_steps
+        _completion_tokens(llm, prompt, n=60)
+        return llm._drafter.stats.verify_steps - before
+
+    with _llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as llm:
+        assert slow_then_generate(llm, llm._drafter.length) > 0
+        with ParallelLlama(llm, n_parallel=2) as pool:
+            for _ in range(2):
+                with pool.slot() as slot:
+                    assert slow_then_generate(slot, slot._drafter.length) > 0

@@ -16,7 +16,7 @@ from .context import Context, release_threads
 from .devices import gpu_count
 from .errors import PowerInferError, core_error
 from .model import SPARSE_MODES, Model
-from .sampler import CancelCheck, LogitBias, Sampler
+from .sampler import CancelCheck, CancelEvent, LogitBias, Sampler
 
-__all__ = ["Batcher", "CancelCheck", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "gpu_count",
+__all__ = ["Batcher", "CancelCheck", "CancelEvent", "Context", "LogitBias", "Model", "PowerInferError", "SPARSE_MODES", "Sampler", "core_error", "gpu_count",
            "release_threads"]

@@ -162,6 +162,15 @@ class Batcher(Handle):
         if rc != OK:
             raise core_error(f"sequence {seq} could not be stopped", rc)
 
+    def set_cancelled(self, seq: int, on: bool) -> None:
+        """Mark sequence `seq` cancelled (or not), from any thread and without waiting for a
+        step: its run ends at once, a pending decode before its next chunk, and later ones fail,
+        with POWERINFER_ERR_ABORTED, until it is marked not cancelled again."""
+        with self._use() as ptr:
+            rc = lib.powerinfer_batcher_set_cancelled(ptr, seq, bool(on))
+        if rc != OK:
+            raise core_error(f"set_cancelled({seq})", rc)
+
     def set_lockstep(self, seq: int, on: bool) -> None:
         """A lockstep sequence decodes step after step through decode(): a step waits for its
         next request (the last step's duration, max_gather_ms at most) unless sequences

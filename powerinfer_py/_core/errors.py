@@ -16,6 +16,7 @@ STATUS_NAMES: Dict[int, str] = dict(ffi.typeof("enum powerinfer_status").element
 STATUS_CODES: Dict[str, int] = dict(ffi.typeof("enum powerinfer_status").relements)
 OK = STATUS_CODES["POWERINFER_OK"]
 ERR_UNSUPPORTED = STATUS_CODES["POWERINFER_ERR_UNSUPPORTED"]
+ERR_ABORTED = STATUS_CODES["POWERINFER_ERR_ABORTED"]
 
 
 def status_name(status: Optional[int]) -> str:

@@ -7,7 +7,9 @@ generation with it keeps it alive until that generation ends."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import contextlib
+import threading
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -54,11 +56,44 @@ def grammar_text(grammar: Any) -> tuple:
     return text, getattr(grammar, "_root", None) or "root"
 
 
+class CancelEvent(threading.Event):
+    """A threading.Event whose set() also calls the callbacks registered with watch(): a
+    generation waiting in the core (a long prompt read over several steps, a slot's next
+    token) is told at once instead of at its next token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watch_lock = threading.Lock()
+        self._callbacks: List[Callable[[], None]] = []
+
+    def set(self) -> None:
+        super().set()
+        # Under the lock: once watch() has ended, its callback is never called.
+        with self._watch_lock:
+            for callback in self._callbacks:
+                callback()
+
+    @contextlib.contextmanager
+    def watch(self, callback: Callable[[], None]) -> Iterator[None]:
+        """Call `callback` (which must not block) when the event is set while the block runs,
+        or at once if it is set already."""
+        with self._watch_lock:
+            self._callbacks.append(callback)
+            if self.is_set():
+                callback()
+        try:
+            yield
+        finally:
+            with self._watch_lock:
+                self._callbacks.remove(callback)
+
+
 class CancelCheck:
     """A logits processor that changes no logit and raises `error()` once `event` is set: a
     way for another thread to stop a generation at its next token. A Sampler keeps these
     apart from its logits processors (`checks`) and runs them before each token, so the
-    core can still sample such a generation alone."""
+    core can still sample such a generation alone. With a CancelEvent, watch() also tells
+    code waiting in the core (a prompt being read) at once."""
 
     def __init__(self, event: Any, error: Callable[[], BaseException]):
         self.event, self.error = event, error
@@ -66,6 +101,11 @@ class CancelCheck:
     def check(self) -> None:
         if self.event.is_set():
             raise self.error()
+
+    def watch(self, callback: Callable[[], None]) -> ContextManager[None]:
+        """callback() once the event is set during the block (a plain Event: never)."""
+        watch = getattr(self.event, "watch", None)
+        return watch(callback) if watch is not None else contextlib.nullcontext()
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         self.check()

@@ -18,7 +18,8 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from .._core import LogitBias
-from . import tokenizer
+from . import generation, tokenizer
+from .constants import LLAMA_DEFAULT_SEED
 
 
 def create_completion_stream(
@@ -172,10 +173,12 @@ def create_completion_stream(
             if self.verbose:
                 print("Llama._create_completion: cache miss", file=sys.stderr)
 
-    if seed is not None:
+    if not generation.is_random_seed(seed):
         self.set_seed(seed)
     else:
-        self.set_seed(random.Random(self._seed).randint(0, 2**32))
+        # The next seed of the Llama's stream (upstream's rule; the stream starts from a random
+        # seed unless the Llama was given one); -1 or LLAMA_DEFAULT_SEED per call: unseeded.
+        self.set_seed(random.Random(self._seed).randint(0, 2**32) % LLAMA_DEFAULT_SEED)
 
     finish_reason = "length"
     multibyte_fix = 0

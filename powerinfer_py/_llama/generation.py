@@ -8,13 +8,14 @@ ParallelLlama slot, one sequence of the pool's (which may run a generation in th
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from .._core import PowerInferError, Sampler
-from .constants import ENGINE_LLAMA_CPP
+from .constants import ENGINE_LLAMA_CPP, LLAMA_DEFAULT_SEED
 from .speculative import Draft, Drafter, accept_draft
 
 
@@ -53,6 +54,26 @@ def compute_logits(llama: Any, tokens: Sequence[int]) -> np.ndarray:
 # penalize_nl are accepted there and ignored, as by llama-cpp-python 0.3.36).
 SAMPLER_ARGS = ("top_k", "top_p", "min_p", "typical_p", "temp", "repeat_penalty", "frequency_penalty",
                 "presence_penalty", "mirostat_mode", "mirostat_tau", "mirostat_eta", "logits_processor", "grammar")
+
+
+def is_random_seed(seed: Any) -> bool:
+    """Whether `seed` asks for a random one: None, negative (llama.cpp's -s -1) or
+    LLAMA_DEFAULT_SEED (0xFFFFFFFF)."""
+    return seed is None or (isinstance(seed, int) and (seed < 0 or seed == LLAMA_DEFAULT_SEED))
+
+
+def resolve_seed(seed: Any) -> int:
+    """The seed a Llama starts its seed stream from: `seed` itself (0 .. 2**32 - 2, so the same
+    seed gives the same samples on every start), or a fresh random one for is_random_seed.
+    # Upstream: llama-cpp-python keeps LLAMA_DEFAULT_SEED and derives each completion's seed
+    # from it with random.Random, so unseeded samples repeat on every start of a program."""
+    if isinstance(seed, bool) or not (seed is None or isinstance(seed, int)):
+        raise ValueError(f"seed must be an int (-1 or LLAMA_DEFAULT_SEED: random), not {seed!r}")
+    if is_random_seed(seed):
+        return random.SystemRandom().randrange(LLAMA_DEFAULT_SEED)  # never LLAMA_DEFAULT_SEED itself
+    if seed > LLAMA_DEFAULT_SEED:
+        raise ValueError(f"seed must be below 2**32 (-1 or LLAMA_DEFAULT_SEED: random), not {seed}")
+    return int(seed)
 
 
 def sampler_args(arguments: Dict[str, Any]) -> Dict[str, Any]:
@@ -152,7 +173,7 @@ def generate(llama: Any, tokens: Sequence[int], reset: bool, stopping_criteria, 
         return run_ahead(seq, tokens, sampler, reset, n_predict, stop_tokens, resume, llama.verbose)
     loop = start(llama, tokens, sampler, reset, stopping_criteria)
     lockstep = getattr(backend, "lockstep", None)
-    return lockstep(loop) if lockstep is not None else loop
+    return lockstep(loop, sampler.checks) if lockstep is not None else loop
 
 
 def start(llama: Any, tokens: List[int], sampler: Sampler, reset: bool, stopping_criteria,

@@ -22,6 +22,9 @@ class SequenceBackend(Protocol):
     def n_ctx(self) -> int:
         """Positions the sequence may hold."""
 
+    def n_batch(self) -> int:
+        """Tokens one decode computes at a time (the chunks of a longer one)."""
+
     def decode(self, tokens: Seq[int], pos: int, logits_all: bool = False) -> None:
         """Compute `tokens` at positions pos, pos+1, ... (cached positions from pos on are
         overwritten); logits rows of every token with logits_all, else of the last."""
@@ -92,20 +95,36 @@ class Sequence:
 
     def eval(self, tokens: Seq[int], all_rows: bool = False) -> None:
         """Decode `tokens` after the held ones (logits of every row with all_rows or
-        keep_scores, else of the last), and hold them."""
+        keep_scores, else of the last), and hold them.
+
+        While a generation whose sampler has cancel checks runs, a long prompt is decoded in
+        slices of n_batch tokens (the chunks the decode computes anyway, so the results are
+        the same) with the checks between them: a cancelled request stops within a slice
+        instead of reading its whole prompt for nobody, and holds the slices read. A backend
+        that stops cancelled work itself (a ParallelLlama slot) gets the prompt whole."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
         n_past, n = self.n_tokens, len(tokens)
         self.check_window(n_past, n)
         self.n_scored = min(self.n_scored, n_past)
-        self.backend.decode(tokens, n_past, all_rows or self.keep_scores)
-        self.input_ids[n_past : n_past + n] = tokens
-        if self.keep_scores:
-            self.scores[n_past : n_past + n, :] = self.backend.logits(0, n)
-            if self.n_scored == n_past:
-                self.n_scored = n_past + n
-        self.n_tokens = n_past + n
+        checks = self.sampler.checks if self.sampler is not None else ()
+        step = n
+        if checks and not getattr(self.backend, "cancels_in_core", False):
+            step = max(int(self.backend.n_batch()), 1)
+        for start in range(0, n, step):
+            if start:
+                for check in checks:
+                    check.check()
+            piece = tokens[start : start + step]
+            pos, m = n_past + start, len(piece)
+            self.backend.decode(piece, pos, all_rows or self.keep_scores)
+            self.input_ids[pos : pos + m] = piece
+            if self.keep_scores:
+                self.scores[pos : pos + m, :] = self.backend.logits(0, m)
+                if self.n_scored == pos:
+                    self.n_scored = pos + m
+            self.n_tokens = pos + m
         self.requires_eval = False
 
     def logits(self, row: int = -1) -> np.ndarray:

@@ -138,16 +138,28 @@ class DraftLength:
     docs/speculative.md), so a long draft pays only when nearly all of it is kept; with a draft
     model D adds a large share of a step per token. Without measurements yet it drafts the
     most it may (that measures V), then takes one step without drafts (that measures V(0)).
-    The choice changes only the speed: every draft is checked."""
+    The choice changes only the speed: every draft is checked.
+
+    Once drafting does not pay, only V(0) is measured any more: one check timed during a
+    moment of load (200 ms against 10 ms steps) would turn drafting off for good. So after
+    `_PROBE_FIRST` steps without drafts a step drafts anyway (a probe) and its timings replace
+    the old ones (V(k > 0), D); while probes keep finding that drafting does not pay, the steps
+    between them double, up to `_PROBE_MAX` (a probe then costs at most ~1/256 of the steps'
+    time per unit of V(k) / V(0)), and a probe after which drafting pays starts over."""
 
     _PRIOR_KEPT, _PRIOR_REJECTED = 2.0, 1.0  # a = 2/3 before anything is measured
     _DECAY = 0.9  # weight of the past per step
     _SMOOTHING = 0.3  # weight of a new timing
+    _PROBE_FIRST, _PROBE_MAX = 16, 256  # steps without drafts before a probe
 
     def __init__(self) -> None:
         self.kept, self.rejected = self._PRIOR_KEPT, self._PRIOR_REJECTED
         self.verify_s: Dict[int, float] = {}
         self.draft_s: Optional[float] = None
+        self.probing = False  # the drafts asked for are a probe: their timings replace the old ones
+        self.probes = 0  # probes made (counted when asked for)
+        self._idle_steps = 0  # steps chosen without drafts since drafts were last asked for
+        self._probe_after = self._PROBE_FIRST
 
     @property
     def acceptance(self) -> float:
@@ -158,12 +170,18 @@ class DraftLength:
 
     def record_decode(self, k: int, seconds: float) -> None:
         """A decode of a token and k drafts took `seconds`."""
+        if k > 0 and self.probing:
+            # The check timings are stale: this one is the curve's new measurement.
+            self.probing = False
+            self.verify_s = {j: v for j, v in self.verify_s.items() if j == 0}
+            self.verify_s[k] = seconds
+            return
         self.verify_s[k] = self._average(self.verify_s.get(k), seconds)
 
     def record_draft(self, n: int, seconds: float) -> None:
         """The drafter proposed n tokens in `seconds`."""
         if n > 0:
-            self.draft_s = self._average(self.draft_s, seconds / n)
+            self.draft_s = seconds / n if self.probing else self._average(self.draft_s, seconds / n)
 
     def record_outcome(self, drafted: int, accepted: int) -> None:
         """A step checked `drafted` tokens and kept `accepted` (0 drafted: a step without)."""
@@ -198,13 +216,29 @@ class DraftLength:
             return room  # no check measured yet
         if 0 not in self.verify_s:
             return 0  # no one-token step measured yet
+        if self.probing:
+            return self._probe_k(room, n_min)  # the probe's drafter proposed nothing yet
         a, per_draft = self.acceptance, self.draft_s or 0.0
         best_k, best_rate = 0, 1.0 / max(self.verify_s[0], 1e-9)
         for k in range(max(n_min, 1), room + 1):
             rate = mean_tokens(a, k) / max(self.cost(k) + k * per_draft, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k
+        if best_k > 0:
+            self._idle_steps, self._probe_after = 0, self._PROBE_FIRST
+            return best_k
+        self._idle_steps += 1
+        if self._idle_steps < self._probe_after:
+            return 0
+        self._idle_steps, self._probe_after = 0, min(2 * self._probe_after, self._PROBE_MAX)
+        self.probing = True
+        self.probes += 1
+        return self._probe_k(room, n_min)
+
+    def _probe_k(self, room: int, n_min: int) -> int:
+        """A probe's draft length: the longest measured one that fits (the curve's far end)."""
+        measured = [k for k in self.verify_s if max(n_min, 1) <= k <= room]
+        return max(measured) if measured else room
 
 
 class Drafter:

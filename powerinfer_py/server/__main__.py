@@ -8,6 +8,7 @@ Every flag also has a dashed spelling (`--n-ctx`, `--vram-budget`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -59,6 +60,8 @@ def _parse_json_object(arg: str) -> Dict[str, Any]:
         raise argparse.ArgumentTypeError(f"Invalid JSON object argument: {arg}")
     return value
 
+
+_SHUTDOWN_GRACE_S = 3
 
 # llama.cpp's server spellings of some fields, beside llama_cpp.server's.
 _ALIASES = {"rpc_servers": ["--rpc"]}
@@ -145,13 +148,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"powerinfer_py.server: {e}", file=sys.stderr)
         return 1
 
-    server = uvicorn.Server(
+    class Server(uvicorn.Server):
+        """uvicorn's server; SIGTERM and SIGINT also end the open streams and running
+        generations (ServerState.begin_shutdown): uvicorn waits for every response to end
+        before it exits, and a stream ended only when its generation did (docker stop and
+        systemd send SIGTERM, then kill)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            try:  # the handler runs on the main thread, which runs the event loop
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            loop.call_soon_threadsafe(app.state.powerinfer.begin_shutdown)
+
+    server = Server(
         uvicorn.Config(
             app,
             host=server_settings.host,
             port=server_settings.port,
             ssl_keyfile=server_settings.ssl_keyfile,
             ssl_certfile=server_settings.ssl_certfile,
+            # After SIGTERM/SIGINT every generation is cancelled and streams end at once; what
+            # still runs after this long (an embedding, say) is not waited for.
+            timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         )
     )
     if failed:  # failed before the server existed

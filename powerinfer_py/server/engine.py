@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -279,6 +280,7 @@ class ServerState:
             "streams_disconnected": 0,
             "streams_interrupted": 0,
             "streams_failed": 0,
+            "streams_shutdown": 0,  # ended by the server shutting down (SIGTERM, SIGINT)
             "chunks_streamed": 0,
             # Non-streamed generations stopped because their client went away.
             "generations_cancelled": 0,
@@ -288,6 +290,10 @@ class ServerState:
         # (--interrupt_requests); touched on the event loop only.
         self._streams: List[object] = []
         self._interrupting: Set[object] = set()
+        # begin_shutdown (SIGTERM, SIGINT): what stops each running generation and open stream;
+        # touched on the event loop only.
+        self.shutting_down = False
+        self._on_shutdown: Set[Callable[[], None]] = set()
         if background:
             def load() -> None:
                 try:
@@ -343,8 +349,14 @@ class ServerState:
                                  draft: Optional[Dict[str, Any]] = None) -> Tuple[Any, Callable[[], None]]:
         """The Llama a completion runs on (a free slot with n_parallel > 1) and its release;
         `draft`: drafting parameters for this request (Llama's draft_max, draft_min,
-        draft_p_min), in force until the release."""
+        draft_p_min), in force until the release. 503 once the server is shutting down (a
+        request that waited for a slot meanwhile too)."""
+        if self.shutting_down:
+            raise self.shutdown_error()
         llama, release = await self.engine.acquire_generation(model)
+        if self.shutting_down:
+            release()
+            raise self.shutdown_error()
         if not draft or getattr(llama, "_fallback", None) is not None:
             return llama, release
         try:
@@ -373,6 +385,35 @@ class ServerState:
     def close(self) -> None:
         """At shutdown: stop the engine (a pool's batcher; the model stays with the proxy)."""
         self.engine.close()
+
+    # ---- shutdown -----------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """On SIGTERM or SIGINT (called on the event loop): running generations stop at their
+        next prompt slice or token, open streams end with an error event and [DONE], and
+        requests still to come get 503. uvicorn waits for every response to end before it
+        exits: without this, an open stream kept the process alive until its generation ended."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        for stop in list(self._on_shutdown):
+            stop()
+
+    @contextlib.contextmanager
+    def stopped_at_shutdown(self, stop: Callable[[], None]) -> Iterator[None]:
+        """Call `stop` (on the event loop; it must not block) if the server begins shutting
+        down while the block runs, or at once if it has."""
+        self._on_shutdown.add(stop)
+        try:
+            if self.shutting_down:
+                stop()
+            yield
+        finally:
+            self._on_shutdown.discard(stop)
+
+    @staticmethod
+    def shutdown_error() -> APIError:
+        return APIError(503, "the server is shutting down", type="unavailable_error", code="shutting_down")
 
     # ---- streams ------------------------------------------------------------------------
 

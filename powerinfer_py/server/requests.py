@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Union
 
+import anyio
+from fastapi import Request
 from pydantic import BaseModel
 
 from .._core import CancelCheck
 from .errors import APIError
 from .types import SPECULATIVE_FIELDS, CreateChatCompletionRequest, CreateCompletionRequest
 
-__all__ = ["GenerationCancelled", "prepare_kwargs", "completion_kwargs", "chat_kwargs", "draft_overrides"]
+__all__ = ["GenerationCancelled", "prepare_kwargs", "completion_kwargs", "chat_kwargs", "draft_overrides",
+           "run_until_disconnect"]
 
 
 def prepare_kwargs(
@@ -106,6 +109,34 @@ def _json_schema_grammar(body: CreateChatCompletionRequest) -> Any:
 
 class GenerationCancelled(Exception):
     """Raised inside the model's sampling loop to stop a generation nobody waits for."""
+
+
+async def run_until_disconnect(request: Request, cancelled: threading.Event,
+                               run: Callable[[Callable[[], Any]], Awaitable[Any]], fn: Callable[[], Any]) -> Any:
+    """await run(fn) (ServerState.run_generation), with `cancelled` set if the client
+    disconnects meanwhile: the generation's CancelCheck then stops it at its next prompt slice
+    or token."""
+    error: Optional[Exception] = None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_set_on_disconnect, request, cancelled)
+        try:
+            result = await run(fn)
+        except Exception as exc:  # raised below, not as an ExceptionGroup of the task group
+            error = exc
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+async def _set_on_disconnect(request: Request, event: threading.Event) -> None:
+    """Set `event` when the client disconnects (the body is read: what the server
+    receives next is the disconnect); cancelled when the response is ready first."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            event.set()
+            return
 
 
 def _null_penalties_as_default(kwargs: Dict[str, Any]) -> None:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import base64
 import sys
-import threading
 from typing import Any, Callable, Dict, Optional
 
-import anyio
 import numpy as np
 from fastapi import Depends, Request
 from fastapi.responses import Response
@@ -21,7 +19,9 @@ from .._core.bindings import kernel_level
 from .engine import ServerState
 from .errors import APIError, error_from_exception, error_response, json_response
 from .metrics import metrics_text
-from .requests import GenerationCancelled, chat_kwargs, completion_kwargs, draft_overrides, prepare_kwargs
+from .._core import CancelEvent
+from .requests import (GenerationCancelled, chat_kwargs, completion_kwargs, draft_overrides, prepare_kwargs,
+                       run_until_disconnect)
 from .streaming import stream_response
 from .types import (
     CreateChatCompletionRequest,
@@ -74,20 +74,25 @@ async def create_chat_completion(request: Request, body: CreateChatCompletionReq
 
 async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method: str) -> Response:
     """A whole (non-streamed) completion. If the client disconnects meanwhile (its timeout,
-    say), the generation stops at its next token and frees the model for the queue,
-    instead of running on to max_tokens or the end of the context for nobody."""
+    say), the generation stops at its next prompt slice or token and frees the model for the
+    queue, instead of running on to max_tokens or the end of the context for nobody; so does a
+    server shutting down (503)."""
     state = _state(request)
     try:
         llama, release = await state.acquire_generation(body.model, draft_overrides(body))
     except Exception as exc:
         return error_response(error_from_exception(exc, body))
-    cancelled = threading.Event()
+    cancelled = CancelEvent()
     try:
-        if await request.is_disconnected():
-            raise APIError(400, "Client closed request")
-        prepare_kwargs(llama, body, kwargs, cancelled)
-        result = await _run_until_disconnect(request, cancelled, lambda: getattr(llama, method)(**kwargs))
+        with state.stopped_at_shutdown(cancelled.set):
+            if await request.is_disconnected():
+                raise APIError(400, "Client closed request")
+            prepare_kwargs(llama, body, kwargs, cancelled)
+            result = await run_until_disconnect(request, cancelled, state.run_generation,
+                                                lambda: getattr(llama, method)(**kwargs))
     except GenerationCancelled:
+        if state.shutting_down:
+            return error_response(state.shutdown_error())
         state.stats["generations_cancelled"] += 1
         print(f"powerinfer_py.server: client {request.client} disconnected; generation stopped", file=sys.stderr)
         return error_response(APIError(400, "Client closed request"))
@@ -96,31 +101,6 @@ async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method
     finally:
         release()
     return json_response(result)
-
-
-async def _run_until_disconnect(request: Request, cancelled: threading.Event, fn: Callable[[], Any]) -> Any:
-    """fn() in a worker thread, with `cancelled` set if the client disconnects meanwhile."""
-    error: Optional[Exception] = None
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(_set_on_disconnect, request, cancelled)
-        try:
-            result = await _state(request).run_generation(fn)
-        except Exception as exc:  # raised below, not as an ExceptionGroup of the task group
-            error = exc
-        tasks.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result
-
-
-async def _set_on_disconnect(request: Request, event: threading.Event) -> None:
-    """Set `event` when the client disconnects (the body is read: what the server
-    receives next is the disconnect); cancelled when the response is ready first."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            event.set()
-            return
 
 
 def _embedding_to_base64(embedding: Any) -> Any:

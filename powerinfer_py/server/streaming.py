@@ -14,9 +14,10 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from .._core import CancelEvent
 from .engine import ServerState
 from .errors import APIError, dumps, error_from_exception, error_response
-from .requests import draft_overrides, prepare_kwargs
+from .requests import GenerationCancelled, draft_overrides, prepare_kwargs, run_until_disconnect
 from .types import CreateChatCompletionRequest, CreateCompletionRequest
 
 __all__ = ["stream_response"]
@@ -35,15 +36,18 @@ class StreamPump:
 
     The generator is only ever advanced and closed by the pump's loop. cancel() (from the
     event loop: the client left) sets the pump's cancel flag, which the pump reads before
-    each chunk, and wakes take(); stop() waits for the pump to close the generator: a
-    stream stops at most one token after its client left.
+    each chunk, and wakes take(), and sets the generation's own cancel event (`cancelled`),
+    which stops a generation waiting in the core at once; stop() waits for the pump to close
+    the generator: a stream stops at most one token after its client left.
     """
 
     _QUEUE = 64  # chunks a slow reader may fall behind before the generation waits for it
 
-    def __init__(self, iterator: Iterator[Any], start: Callable[[Callable[[], Any]], concurrent.futures.Future]):
+    def __init__(self, iterator: Iterator[Any], start: Callable[[Callable[[], Any]], concurrent.futures.Future],
+                 cancelled: Optional[threading.Event] = None):
         self._it = iterator
         self._cancelled = threading.Event()
+        self._generation_cancelled = cancelled
         self._loop = asyncio.get_running_loop()
         self._cond = threading.Condition()
         self._items: Deque[Tuple[str, Any]] = collections.deque()
@@ -123,6 +127,8 @@ class StreamPump:
     def cancel(self) -> None:
         """From the event loop: stop the generation at its next chunk and wake take()."""
         self._cancelled.set()
+        if self._generation_cancelled is not None:
+            self._generation_cancelled.set()
         with self._cond:
             self._cond.notify_all()
         self._wake.set()
@@ -158,10 +164,10 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, state: ServerState, body: Any, first: Any, iterator: Iterator[Any],
-                 close: Callable[[], None], on_handover: Callable[[], None]):
+                 close: Callable[[], None], on_handover: Callable[[], None], cancelled: threading.Event):
         super().__init__(status_code=200)
         self._state, self._body, self._first, self._iterator = state, body, first, iterator
-        self._close, self._on_handover = close, on_handover
+        self._close, self._on_handover, self._cancelled = close, on_handover, cancelled
 
     def _event(self, chunk: Any) -> bytes:
         return b"data: " + dumps(chunk).encode() + b"\n\n"
@@ -171,8 +177,16 @@ class EventStream(Response):
         sent, outcome = 0, "disconnected"
         pump: Optional[StreamPump] = None
         client_left = False
+        shutdown = False  # the server is shutting down: the stream ends with an error event
         ping_due = False
         tasks: List["asyncio.Task[None]"] = []
+
+        def on_shutdown() -> None:
+            nonlocal shutdown
+            shutdown = True
+            self._cancelled.set()
+            if pump is not None:
+                pump.cancel()
 
         async def watch_disconnect() -> None:
             nonlocal client_left
@@ -194,49 +208,56 @@ class EventStream(Response):
 
         state.stream_started(self)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            if self._first is _END:
-                outcome = "completed"
-                await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
-                return
-            await send({"type": "http.response.body", "body": self._event(self._first), "more_body": True})
-            sent = 1
-            self._on_handover()
-            pump = StreamPump(self._iterator, state.start_pump)
-            tasks.append(asyncio.ensure_future(watch_disconnect()))
-            if not state.settings.disable_ping_events:
-                tasks.append(asyncio.ensure_future(ping()))
-            while True:
-                if client_left:
-                    print(f"powerinfer_py.server: client {scope.get('client')} disconnected; stream stopped",
-                          file=sys.stderr)
-                    return
-                if state.should_interrupt(self):
-                    outcome = "interrupted"
+            with state.stopped_at_shutdown(on_shutdown):
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                if self._first is _END:
+                    outcome = "completed"
                     await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
                     return
-                items = await pump.take()
-                out: List[bytes] = []
-                if ping_due:
-                    ping_due = False
-                    out.append(b": ping\n\n")
-                for kind, value in items:
-                    if kind == "chunk":
-                        out.append(self._event(value))
-                        sent += 1
-                    elif kind == "end":
-                        outcome = "completed"
-                        out.append(_SSE_DONE)
-                    else:  # headers are sent: report in the stream, as OpenAI does, and end it
-                        outcome = "failed"
-                        out.append(self._event({"error": error_from_exception(value, self._body).body}))
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": outcome == "disconnected"})
-                if outcome != "disconnected":
-                    return
-                if not items and pump.ended:
-                    return  # ended without an end item (cancelled): nothing more will come
+                await send({"type": "http.response.body", "body": self._event(self._first), "more_body": True})
+                sent = 1
+                self._on_handover()
+                pump = StreamPump(self._iterator, state.start_pump, self._cancelled)
+                tasks.append(asyncio.ensure_future(watch_disconnect()))
+                if not state.settings.disable_ping_events:
+                    tasks.append(asyncio.ensure_future(ping()))
+                while True:
+                    if shutdown:
+                        outcome = "shutdown"
+                        error = {"error": state.shutdown_error().body}
+                        await send({"type": "http.response.body", "body": self._event(error) + _SSE_DONE,
+                                    "more_body": False})
+                        return
+                    if client_left:
+                        print(f"powerinfer_py.server: client {scope.get('client')} disconnected; stream stopped",
+                              file=sys.stderr)
+                        return
+                    if state.should_interrupt(self):
+                        outcome = "interrupted"
+                        await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
+                        return
+                    items = await pump.take()
+                    out: List[bytes] = []
+                    if ping_due:
+                        ping_due = False
+                        out.append(b": ping\n\n")
+                    for kind, value in items:
+                        if kind == "chunk":
+                            out.append(self._event(value))
+                            sent += 1
+                        elif kind == "end":
+                            outcome = "completed"
+                            out.append(_SSE_DONE)
+                        else:  # headers are sent: report in the stream, as OpenAI does, and end it
+                            outcome = "failed"
+                            out.append(self._event({"error": error_from_exception(value, self._body).body}))
+                    if out:
+                        await send({"type": "http.response.body", "body": b"".join(out),
+                                    "more_body": outcome == "disconnected"})
+                    if outcome != "disconnected":
+                        return
+                    if not items and pump.ended:
+                        return  # ended without an end item (cancelled): nothing more will come
         finally:
             for task in tasks:
                 task.cancel()
@@ -256,7 +277,9 @@ async def stream_response(
 
     The generator is created and its first chunk computed before the response starts,
     so a request the model rejects (context too long, bad grammar) still gets a 4xx; the
-    rest comes through a StreamPump.
+    rest comes through a StreamPump. The generation's cancel check is set if the client
+    disconnects or the server shuts down meanwhile, which stops the prompt at its next
+    slice; later the pump sets it.
     """
     state: ServerState = request.app.state.powerinfer
     try:
@@ -280,12 +303,13 @@ async def stream_response(
         finally:
             release()
 
+    cancelled = CancelEvent()
     try:
         if await request.is_disconnected():
             raise APIError(400, "Client closed request")
-        # No cancel check: the pump checks its cancel flag between chunks, one
-        # token apart (a Python processor would also copy every logits row).
-        prepare_kwargs(llama, body, kwargs)
+        # The cancel check is no logits processor (the logits are not copied for it) and a
+        # slot's generation still runs ahead in the core.
+        prepare_kwargs(llama, body, kwargs, cancelled)
 
         def start() -> Tuple[Iterator[Any], Any]:
             # The generator and its first chunk in one hop to the worker thread. A generator
@@ -296,11 +320,18 @@ async def stream_response(
             chunks = iter(result)
             return chunks, next(chunks, _END)
 
-        iterator, first = await state.run_generation(start)
+        with state.stopped_at_shutdown(cancelled.set):
+            iterator, first = await run_until_disconnect(request, cancelled, state.run_generation, start)
     except BaseException as exc:
         close()
+        if isinstance(exc, GenerationCancelled):
+            if state.shutting_down:
+                return error_response(state.shutdown_error())
+            state.stats["generations_cancelled"] += 1
+            print(f"powerinfer_py.server: client {request.client} disconnected; generation stopped", file=sys.stderr)
+            return error_response(APIError(400, "Client closed request"))
         if isinstance(exc, Exception):
             return error_response(error_from_exception(exc, body))
         raise
-    return EventStream(state, body, first, iterator, close, handover)
+    return EventStream(state, body, first, iterator, close, handover, cancelled)
 

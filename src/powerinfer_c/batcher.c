@@ -31,6 +31,11 @@
 // where a chunk ends. A sparse model's chunks are n_batch tokens, the ubatches of a lone
 // decode, so each piece takes the FFN path it takes alone.
 //
+// Cancelling: a caller that no longer wants a sequence's work (a client gone, a server shutting
+// down) marks the sequence cancelled from any thread (powerinfer_batcher_set_cancelled, which
+// takes only mu): its run ends at once and its request before its next chunk, so a long
+// prompt stops within one step instead of being read to its end for nobody.
+//
 // Lifetime: powerinfer_batcher_close ends the thread and wakes every waiting caller; every
 // call after it fails without touching the context. Callers inside a call (n_inside) are
 // waited for, so free() after close() frees nothing in use.
@@ -60,6 +65,7 @@ struct pi_bseq {
     float *                  req_out;
     int32_t                  req_status;   // rows copied, or a negative status
     bool                     lockstep;
+    bool                     cancelled;    // powerinfer_batcher_set_cancelled: no more work for it
 
     // A run ahead (powerinfer_batcher_generate).
     bool                        running;   // tokens may still be sampled
@@ -262,6 +268,16 @@ static int32_t collect(struct powerinfer_batcher * b) {
         for (int32_t s = 0; s < b->n_seq; ++s) {
             struct pi_bseq * q = &b->seqs[s];
             struct pi_bitem it = { .seq = s, .sampled = -1, .status = POWERINFER_OK, .err = "" };
+            if (q->req_pending && q->cancelled) {
+                if (pass == 0) {  // before its next chunk: what it computed stays in the cache
+                    q->req_pending = false;
+                    q->req_done    = true;
+                    q->req_status  = POWERINFER_ERR_ABORTED;
+                    set_err(q, "cancelled");
+                    pthread_cond_broadcast(&q->cv);
+                }
+                continue;
+            }
             if (q->req_pending) {
                 const int32_t left = q->req_n - q->req_off;
                 const int32_t chunk = chunk_tokens(b, q, q->req_pos + q->req_off);
@@ -770,6 +786,10 @@ int32_t powerinfer_batcher_decode(struct powerinfer_batcher * b, int32_t seq, co
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_decode: %s", b->quit ? "the batcher was closed"
                        : "the sequence is decoding or running ahead already");
     }
+    if (q->cancelled) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_ABORTED, "powerinfer_batcher_decode: sequence %d is cancelled", seq);
+    }
     q->req_pending  = true;
     q->req_done     = false;
     q->req_tokens   = tokens;
@@ -836,6 +856,10 @@ int32_t powerinfer_batcher_generate(struct powerinfer_batcher * b, int32_t seq, 
         pthread_mutex_unlock(&b->mu);
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_batcher_generate: %s", b->quit ? "the batcher was closed"
                        : "the sequence is decoding or running ahead already (stop it first)");
+    }
+    if (q->cancelled) {
+        pthread_mutex_unlock(&b->mu);
+        return pi_fail(POWERINFER_ERR_ABORTED, "powerinfer_batcher_generate: sequence %d is cancelled", seq);
     }
     if (!grow_tokens(&q->in, &q->in_cap, n_tokens) || !grow_tokens(&q->stop, &q->stop_cap, n_stop_tokens)) {
         pthread_mutex_unlock(&b->mu);
@@ -997,6 +1021,31 @@ int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int3
     }
     ctx_release(b);
     return rc;
+}
+
+int32_t powerinfer_batcher_set_cancelled(struct powerinfer_batcher * b, int32_t seq, bool on) {
+    pi_clear_error();
+    int32_t rc = check_seq(b, seq, "powerinfer_batcher_set_cancelled");
+    if (rc != POWERINFER_OK) {
+        return rc;
+    }
+    pthread_mutex_lock(&b->mu);
+    struct pi_bseq * q = &b->seqs[seq];
+    q->cancelled = on;
+    if (on && q->running) {
+        // Ends like an error: the tokens sampled are still handed over, then the status. The
+        // step computing for it (if any) finishes; publish() drops what it sampled.
+        q->running    = false;
+        q->n_in       = 0;
+        q->end_status = POWERINFER_ERR_ABORTED;
+        set_err(q, "cancelled");
+        pthread_cond_broadcast(&q->cv);
+    }
+    if (on && q->req_pending) {
+        pthread_cond_signal(&b->work_cv);  // collect() answers it before its next chunk
+    }
+    pthread_mutex_unlock(&b->mu);
+    return POWERINFER_OK;
 }
 
 int32_t powerinfer_batcher_set_lockstep(struct powerinfer_batcher * b, int32_t seq, bool on) {

@@ -43,7 +43,7 @@ enum powerinfer_status {
     POWERINFER_ERR_CONTEXT_FULL = -5, // the tokens do not fit in n_ctx
     POWERINFER_ERR_NO_MEMORY    = -6,
     POWERINFER_ERR_INTERNAL     = -7,
-    POWERINFER_ERR_ABORTED      = -8, // a computation interrupted on purpose (a batcher restarting a step)
+    POWERINFER_ERR_ABORTED      = -8, // a computation interrupted on purpose (a batcher restarting a step, a cancel)
 };
 
 enum powerinfer_log_level {
@@ -431,6 +431,13 @@ POWERINFER_API int32_t powerinfer_batcher_next(struct powerinfer_batcher * b, in
 // Ends sequence seq's run, if any, and waits until no step computes or samples for it; then
 // the sequence keeps its first n_keep positions (n_keep < 0: all it has).
 POWERINFER_API int32_t powerinfer_batcher_stop(struct powerinfer_batcher * b, int32_t seq, int32_t n_keep);
+// Marks sequence seq cancelled (on) or not (off), from any thread, without waiting for a step:
+// while cancelled, its run ends at once (powerinfer_batcher_next hands over the tokens already
+// sampled, then returns POWERINFER_ERR_ABORTED), a pending decode returns POWERINFER_ERR_ABORTED
+// before its next chunk (the chunks computed stay in its cells), and new decodes and runs of it
+// fail the same way. A long prompt thus stops within one step of a cancel. Off again before the
+// sequence's next work.
+POWERINFER_API int32_t powerinfer_batcher_set_cancelled(struct powerinfer_batcher * b, int32_t seq, bool on);
 // A lockstep sequence decodes one step after another through powerinfer_batcher_decode: a
 // step waits for each of them to ask (max_gather_ms at most) before it starts, unless
 // sequences running ahead are ready to step.

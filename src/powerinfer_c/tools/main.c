@@ -62,7 +62,7 @@ static void usage(FILE * out, const char * argv0) {
         "  -tb, --threads-batch N    threads for prompt processing (default: same as --threads)\n"
         "  -c, --ctx-size N          context size in tokens (default: 4096, 0 = the model's)\n"
         "  -b, --batch-size N        prompt tokens computed per graph (default: 512)\n"
-        "  -s, --seed N              RNG seed (default: -1, random)\n"
+        "  -s, --seed N              RNG seed (default: -1, random; the seed used is printed)\n"
         "  --temp N                  temperature (default: 0.8; 0 = greedy)\n"
         "  --top-k N                 top-k sampling (default: 40, 0 = disabled)\n"
         "  --top-p N                 top-p sampling (default: 0.95, 1.0 = disabled)\n"
@@ -91,6 +91,18 @@ static void usage(FILE * out, const char * argv0) {
         "                            the text is the same with and without a draft)\n"
         "  -v, --verbose             print loading details\n",
         argv0);
+}
+
+// -s -1 (the default): a seed from the OS's entropy, never 0xFFFFFFFF (libllama's "random"),
+// so the run's seed is known and printed, and `-s SEED` repeats it.
+static uint32_t random_seed(void) {
+    uint32_t seed = 0;
+    FILE * f = fopen("/dev/urandom", "rb");
+    if (!f || fread(&seed, sizeof(seed), 1, f) != 1) {
+        seed = (uint32_t) time(NULL) ^ (uint32_t) clock() * 2654435761u;
+    }
+    if (f) fclose(f);
+    return seed == 0xFFFFFFFFu ? 0u : seed;
 }
 
 static int fail(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -196,8 +208,11 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         else if (IS("-c") || IS("--ctx-size"))        ok = parse_int(val, 0, 1 << 22, &a->n_ctx);
         else if (IS("-b") || IS("--batch-size"))      ok = parse_int(val, 1, 1 << 16, &a->n_batch);
         else if (IS("-s") || IS("--seed")) {
-            int32_t s;
-            ok = parse_int(val, -1, INT32_MAX, &s);
+            // -1: random; else any seed main prints (a uint32 below 0xFFFFFFFF, libllama's "random").
+            char * end;
+            errno = 0;
+            const long long s = strtoll(val, &end, 10);
+            ok = !errno && end != val && !*end && s >= -1 && s < 0xFFFFFFFFLL;
             a->seed = s < 0 ? 0xFFFFFFFFu : (uint32_t) s;
         }
         else if (IS("--temp"))                        ok = parse_float(val, &a->temp);
@@ -391,6 +406,9 @@ int main(int argc, char ** argv) {
         return rc < 0 ? 0 : 1;
     }
     powerinfer_log_set_level(a.verbose ? POWERINFER_LOG_INFO : POWERINFER_LOG_ERROR);
+    if (a.seed == 0xFFFFFFFFu) {
+        a.seed = random_seed();
+    }
 
     char * prompt = NULL;
     if (a.prompt_file) {
@@ -650,6 +668,7 @@ int main(int argc, char ** argv) {
 
     struct powerinfer_timings t = powerinfer_get_timings(ctx);
     fprintf(stderr, "\n");
+    fprintf(stderr, "seed        = %u\n", a.seed);
     fprintf(stderr, "sparse mode = %s\n", powerinfer_sparse_mode_name(powerinfer_model_sparse_mode(model)));
     fprintf(stderr, "kernels     = %s (this CPU runs: %s)\n", powerinfer_kernel_level(), powerinfer_kernel_levels());
     fprintf(stderr, "load time   = %10.2f ms\n", t.t_load_ms);
