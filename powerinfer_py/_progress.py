@@ -17,8 +17,9 @@ class Progress:
 
         label [#########---------------------] 30/100 12s elapsed, ~28s left EXTRA
 
-    or, with `every_pct` (for logs, which do not redraw), one line each time another
-    `every_pct` percent is done:
+    (with `rate="tok"`, the speed too: "... ~28s left, 2.5 tok/s EXTRA"), or, with
+    `every_pct` (for logs, which do not redraw), one line each time another `every_pct`
+    percent is done:
 
         label: 12.0 MiB / 100.0 MiB (12%)
 
@@ -27,9 +28,9 @@ class Progress:
     """
 
     def __init__(self, label: str, total: int, enabled: bool = True, *, every_pct: Optional[int] = None,
-                 fmt: Callable[[int], str] = str):
+                 fmt: Callable[[int], str] = str, rate: Optional[str] = None):
         self.label, self.total, self.enabled = label, max(total, 1), enabled
-        self.every_pct, self.fmt = every_pct, fmt
+        self.every_pct, self.fmt, self.rate = every_pct, fmt, rate
         self.done = 0
         self._next_pct = 0
         self.t0 = time.time()
@@ -51,7 +52,8 @@ class Progress:
         frac = min(done / self.total, 1.0)
         eta = el / frac - el if frac > 0 else 0.0
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        print(f"\r{self.label} [{bar}] {self.fmt(done)}/{self.fmt(self.total)} {el:.0f}s elapsed, ~{eta:.0f}s left "
+        speed = f", {done / el:.1f} {self.rate}/s" if self.rate and el > 0 else ""
+        print(f"\r{self.label} [{bar}] {self.fmt(done)}/{self.fmt(self.total)} {el:.0f}s elapsed, ~{eta:.0f}s left{speed} "
               f"{extra}   ", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:

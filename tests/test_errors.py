@@ -261,3 +261,14 @@ def test_context_manager_closes(smollm2_path):
     with pytest.raises(RuntimeError, match="closed"):
         llm.create_completion("hello")
 
+
+
+def test_prompt_file_that_cannot_be_read_cli(smollm2_path, cli_path, tmp_path):
+    """Issue 53, item 9: `main -f DIR` opened the directory, read nothing (EISDIR, unchecked)
+    and generated from an empty prompt with exit status 0. A prompt file that cannot be read
+    is an error that names it, as a missing one is."""
+    for bad in (tmp_path, tmp_path / "missing.txt"):
+        r = _run_cli(cli_path, ["-m", smollm2_path, "-f", str(bad), "-n", "4", "-t", str(N_THREADS)])
+        assert r.returncode == 1, f"exit status {r.returncode}\nstdout:\n{r.stdout[-1000:]}\nstderr:\n{r.stderr[-3000:]}"
+        assert f"cannot read prompt file '{bad}'" in r.stderr, r.stderr[-3000:]
+    assert "Is a directory" in _run_cli(cli_path, ["-m", smollm2_path, "-f", str(tmp_path), "-n", "4"]).stderr

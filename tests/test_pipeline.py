@@ -736,3 +736,168 @@ def test_a_write_that_fails_midway_leaves_the_old_output(tiny, tmp_path):
     assert r.returncode == 1 and "File too large" in r.stderr, r.stderr[-2000:]
     assert card_md.read_text() == old and card_json.read_text() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "card.json", "card.md"]
+
+
+# ---------------------------------------------------------------- temporaries, early checks, full disks (issue 53)
+
+def _pipeline(*argv, code: str = None, timeout: float = 300):
+    """A pipeline command in a child process (a crash by a signal ends there)."""
+    import subprocess
+    import sys
+
+    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "powerinfer_py.pipeline"]
+    return subprocess.run(head + [str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_input_named_like_the_old_temporary_is_never_written(tiny, tmp_path):
+    """Issue 53, item 3: every GGUF writer wrote OUT.tmp, then renamed it: `sparsify M.gguf.tmp
+    --out M.gguf` wrote over the model it was reading through a memory map (SIGBUS, the input
+    truncated), and any other OUT.tmp was overwritten, then deleted. A new unique temporary
+    can be no existing file: every file that was in the folder is as it was, the output is
+    the one file added."""
+    d = tmp_path
+    m = d / "model.gguf.tmp"
+    shutil.copy(tiny["gguf"], m)
+    c = d / "c.txt"
+    c.write_text(TEXT)
+    (d / "other.gguf.tmp").write_bytes(b"someone else's file")
+    cases = [("sparsify", m, "--sparsity", "0", "--out", d / "model.gguf", "--no-card"),
+             ("convert", m, "--out", d / "other.gguf"),
+             ("calibrate", m, "--corpus", c, "--n-tokens", "256", "--out", d / "model.gguf")]
+    for argv in cases:
+        out = Path(argv[argv.index("--out") + 1])
+        before = {p: b for p, b in _tree(d).items() if p != out}
+        r = _pipeline(*argv)
+        assert r.returncode == 0, (argv, r.returncode, r.stderr[-2000:])
+        after = _tree(d)
+        assert {p: after.get(p) for p in before} == before, argv
+        assert set(after) - set(before) == {out}, argv
+        assert open_gguf(out).get_field("general.architecture") is not None
+
+
+def test_sigterm_during_a_write_leaves_no_temporary(tiny, tmp_path):
+    """SIGTERM while the output is written (here: sent by the writer itself once the header is
+    out) leaves the earlier output as it was and no partial temporary (100 MB in the issue),
+    as SIGINT does; the process still ends by SIGTERM."""
+    import signal
+
+    code = ("import os, signal, sys, time, gguf\n"
+            "orig = gguf.GGUFWriter.write_kv_data_to_file\n"
+            "def kv(self):\n"
+            "    orig(self)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(60)\n"
+            "gguf.GGUFWriter.write_kv_data_to_file = kv\n"
+            "from powerinfer_py.pipeline.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    out = tmp_path / "s.gguf"
+    out.write_bytes(b"an earlier output")
+    r = _pipeline("sparsify", tiny["gguf"], "--sparsity", "0", "--out", out, "--no-card", code=code, timeout=120)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-2000:])
+    assert out.read_bytes() == b"an earlier output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.gguf"]
+
+
+def test_arguments_are_checked_before_calibrating(tiny, tmp_path, monkeypatch, capsys):
+    """Issue 53, item 8: sparsify --sparsity 1.5 failed after calibrating (28 s on SmolLM2, 20
+    minutes on a 1.5B), --out /nonexistent/dir/x.gguf after 36 s; calibrate alike. Every
+    argument, the card's and the output's folder included, is checked first: here calibrating
+    at all fails the test."""
+    from powerinfer_py.pipeline import calibrate as calibrate_mod
+    from powerinfer_py.pipeline import sparsify as sparsify_mod
+
+    def calibrating(*a, **k):
+        raise AssertionError("calibrating before the arguments were checked")
+
+    monkeypatch.setattr(sparsify_mod, "calibration_texts", calibrating)
+    monkeypatch.setattr(sparsify_mod, "collect_input_histograms", calibrating)
+    monkeypatch.setattr(calibrate_mod, "collect_histograms", calibrating)
+    m, c = tiny["gguf"], tiny["corpus"]
+    ok = str(tmp_path / "o.gguf")
+    (tmp_path / "file").write_text("a file, not a folder")
+    missing = str(tmp_path / "missing.txt")
+    held = f"held={c}"
+    cases = [
+        ("sparsify", ["--sparsity", "1.5", "--out", ok, "--no-card"], "--sparsity must be in [0, 1), got 1.5"),
+        ("sparsify", ["--sparsity", "nan", "--out", ok, "--no-card"], "--sparsity must be in [0, 1), got nan"),
+        ("sparsify", ["--sparsity", "0.4", "--out", "/nonexistent/dir/x.gguf", "--no-card"],
+         "--out /nonexistent/dir/x.gguf: its folder /nonexistent/dir does not exist"),
+        ("sparsify", ["--sparsity", "0.4", "--out", str(tmp_path / "file" / "x.gguf"), "--no-card"], "is not a folder"),
+        ("sparsify", ["--sparsity", "0.4", "--out", ok, "--n-tokens", "0", "--no-card"], "--n-tokens"),
+        ("sparsify", ["--sparsity", "0.4", "--out", ok, "--corpus", missing, "--no-card"], f"{missing}: no such file"),
+        ("sparsify", ["--sparsity", "0.4", "--out", ok, "--text", missing], f"--text {missing}: no such file"),
+        ("sparsify", ["--sparsity", "0.4", "--out", ok, "--text", held, "--card-passages", "0"], "--card-passages"),
+        ("sparsify", ["--sparsity", "0.4", "--out", ok, "--text", held, "--card-batch", "0"], "--card-batch"),
+        ("calibrate", ["--sparsity", "1.5", "--out", ok], "--sparsity must be in [0, 1), got 1.5"),
+        ("calibrate", ["--out", "/nonexistent/dir/x.gguf"], "its folder /nonexistent/dir does not exist"),
+        ("calibrate", ["--out", ok, "--eval", missing], f"--eval {missing}: no such file"),
+    ]
+    for cmd, extra, message in cases:
+        rc = cli.main([cmd, m, "--corpus", c, *extra])
+        err = capsys.readouterr().err
+        assert rc == 1 and message in err and "Traceback" not in err, (cmd, extra, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root; skipped elsewhere): a disk that fills up."""
+    import subprocess
+
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no tmpfs here: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)  # -l: even with a file still open
+
+
+def test_a_full_disk_is_found_before_calibrating(small_disk, smollm2_path, tmp_path, monkeypatch, capsys):
+    """Issue 53, item 9: sparsify on a full disk failed at the end, saying "552960 requested
+    and 14560 written". A folder without room for the copy is found before calibrating."""
+    from powerinfer_py.pipeline import sparsify as sparsify_mod
+
+    def calibrating(*a, **k):
+        raise AssertionError("calibrating before the free space was checked")
+
+    monkeypatch.setattr(sparsify_mod, "collect_input_histograms", calibrating)
+    c = tmp_path / "c.txt"
+    c.write_text(TEXT)
+    out = small_disk / "s.gguf"
+    assert cli.main(["sparsify", smollm2_path, "--sparsity", "0.4", "--corpus", str(c), "--out", str(out),
+                     "--no-card"]) == 1
+    err = capsys.readouterr().err
+    assert f"no space left on device for --out {out}: it needs about 93.8 MiB" in err, err
+    assert list(small_disk.iterdir()) == []
+
+
+def test_a_write_that_fills_the_disk_says_so(small_disk):
+    """A GGUF write that fills the disk midway (2 MiB of tensor data on a 1 MiB disk: numpy's
+    short write, "N requested and M written", without errno) says "no space left on device"
+    with the path, and leaves nothing behind."""
+    from powerinfer_py.formats.gguf_io import finish, new_writer
+
+    out = small_disk / "s.gguf"
+    w = new_writer(out, "llama")
+    w.add_tensor("big", np.zeros(1 << 19, dtype=np.float32))
+    with pytest.raises(OSError) as e:
+        finish(w, out)
+    assert f"no space left on device writing {out}" in str(e.value), str(e.value)
+    assert list(small_disk.iterdir()) == []
+
+
+def test_sample_shows_progress_as_tokens_come(smollm2_path, tmp_path, capsys):
+    """Issue 53, item 10: the bar counted the finished samples' tokens only, so with the first
+    --parallel samples holding the whole budget it sat at 0 (814 s on a 1.5B) and then jumped
+    to the end. It counts tokens as they are generated, with the rate."""
+    from powerinfer_py.pipeline.sample import sample
+
+    sample(smollm2_path, str(tmp_path / "s.jsonl"), 128, max_tokens=128, n_parallel=1, threads=2, progress=True)
+    err = capsys.readouterr().err
+    draws = [d for d in err.split("\r") if d.startswith("sample [")]
+    counts = {int(d.split("] ")[1].split(" tokens")[0]) for d in draws}
+    assert len({n for n in counts if 0 < n < 128}) >= 4, draws
+    assert all("tok/s" in d for d in draws if "] 0 tokens" not in d), draws

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -368,3 +370,181 @@ def test_a_worker_behind_a_shaped_link(smollm2_path):
             proc.wait(30)
     assert tokens == ref_tokens
     assert per_token < 64 << 10, per_token
+
+
+# ---- endpoints that do not answer, workers that go away (issue 53, items 5 and 9) ---------------
+
+def _python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """code run by a child Python: a hang ends there, at the timeout, and fails the test."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO_DIR, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"still running after {timeout} s (a hang):\n{(e.stderr or b'')[-2000:]!r}")
+
+
+def _listening(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "the listener exited"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        assert time.monotonic() < deadline, "nothing listens after 60 s"
+        time.sleep(0.1)
+
+
+def test_an_endpoint_that_does_not_answer_the_handshake(smollm2_path, cli_path):
+    """An endpoint that accepts the connection and never answers ggml-rpc's handshake (an HTTP
+    server; a worker stopped with SIGSTOP) blocked the load for ever in ggml-rpc's recv, in
+    Python and in the CLI. Now an error that names the endpoint and says why, within the
+    handshake's deadline (5 s); the worker, once continued, serves as before."""
+    port = free_port()
+    http = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = Worker()
+    try:
+        _listening(port, http)
+        os.kill(w.proc.pid, signal.SIGSTOP)
+        for ep in (f"127.0.0.1:{port}", w.endpoint):
+            r = _python("from powerinfer_py import Llama, PowerInferError\n"
+                        "try:\n"
+                        f"    Llama({smollm2_path!r}, rpc_servers={ep!r}, n_gpu_layers=-1, verbose=False)\n"
+                        "except PowerInferError as e:\n"
+                        "    print('ERROR', e)\n", timeout=60)
+            assert r.stdout.startswith("ERROR ") and (
+                f"RPC worker {ep} accepted the connection but did not answer the ggml-rpc handshake within 5 s: it is "
+                "not a ggml-rpc worker, or it is stopped") in r.stdout, (r.stdout, r.stderr[-2000:])
+        try:
+            r = subprocess.run([str(cli_path), "-m", smollm2_path, "--rpc", f"127.0.0.1:{port}", "-ngl", "99", "-p", "x",
+                                "-n", "1"], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("main --rpc with an HTTP server still running after 60 s (a hang)")
+        assert r.returncode == 1 and f"RPC worker 127.0.0.1:{port} accepted the connection but did not answer" in r.stderr, \
+            (r.returncode, r.stderr[-2000:])
+        os.kill(w.proc.pid, signal.SIGCONT)
+        with _load(smollm2_path, rpc_servers=w.endpoint, n_gpu_layers=-1) as llm:
+            assert llm.create_completion(PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"]
+    finally:
+        http.kill()
+        http.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.proc.pid, signal.SIGCONT)
+        w.kill()
+
+
+def test_a_worker_that_stops_mid_stream(smollm2_path):
+    """A worker stopped (SIGSTOP) while a stream runs: every command waited for ever. Now a
+    command gets no answer within POWERINFER_RPC_TIMEOUT (here 3 s), and the stream ends with
+    an error naming the worker; loading the model again, the worker still stopped, fails at
+    the handshake instead of reusing the dead connection."""
+    w = Worker()
+    try:
+        r = _python(f"""
+import os, signal, time
+os.environ["POWERINFER_RPC_TIMEOUT"] = "3"
+from powerinfer_py import Llama, PowerInferError
+kw = dict(rpc_servers={w.endpoint!r}, n_gpu_layers=-1, n_ctx=256, n_threads=2, verbose=False)
+llm = Llama({smollm2_path!r}, **kw)
+stream = llm.create_completion("1, 2, 3,", max_tokens=200, temperature=0, stream=True)
+next(stream)
+os.kill({w.proc.pid}, signal.SIGSTOP)
+t0 = time.monotonic()
+try:
+    for _ in stream:
+        pass
+    print("NO ERROR")
+except PowerInferError as e:
+    print("ERROR", round(time.monotonic() - t0), e)
+try:
+    Llama({smollm2_path!r}, **kw)
+    print("LOADED")
+except PowerInferError as e:
+    print("RELOAD", e)
+""", timeout=90)
+        lines = {ln.split(" ", 1)[0]: ln for ln in r.stdout.splitlines()}
+        assert "ERROR" in lines and f"RPC worker RPC0 ({w.endpoint}) stopped answering" in lines["ERROR"], \
+            (r.stdout, r.stderr[-2000:])
+        assert int(lines["ERROR"].split()[1]) < 30, lines["ERROR"]
+        # its connections are taken (the ones ggml-rpc made again after the failure wait in its backlog)
+        assert "RELOAD" in lines and re.search(f"RPC worker {w.endpoint} did not (answer the ggml-rpc handshake|accept "
+                                               "the connection) within 3 s: it is stopped", lines["RELOAD"]), r.stdout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.proc.pid, signal.SIGCONT)
+        w.kill()
+
+
+class _KillingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a worker that kills the worker once `after`
+    bytes have gone to it on one connection: a worker that dies at a chosen point of the
+    model's upload."""
+
+    def __init__(self, worker: Worker, after: int):
+        self.worker, self.after = worker, after
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.sock.accept()
+                try:
+                    upstream = socket.create_connection(("127.0.0.1", self.worker.port))
+                except OSError:
+                    client.close()
+                    continue
+                threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_worker: bool) -> None:
+        sent = 0
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                sent += len(data)
+                if to_worker and sent > self.after:
+                    self.worker.kill()
+                    self.close()  # the endpoint is gone too, as a killed worker's is
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # ends a blocked accept()
+        self.sock.close()
+
+
+def test_a_worker_killed_during_the_upload(smollm2_path, monkeypatch):
+    """Killed when 16 MiB of the model's weights have gone to it: the load fails saying the
+    worker stopped answering, not that the compute buffers do not fit a smaller vram_budget."""
+    monkeypatch.setenv("POWERINFER_RPC_TIMEOUT", "10")  # a bound on any wait, should one hang
+    w = Worker()
+    proxy = _KillingProxy(w, 16 << 20)
+    try:
+        with pytest.raises(PowerInferError) as e:
+            _load(smollm2_path, rpc_servers=proxy.endpoint, n_gpu_layers=-1)
+        assert "RPC worker RPC" in str(e.value) and "stopped answering" in str(e.value), str(e.value)
+        assert "compute buffers" not in str(e.value), str(e.value)
+    finally:
+        proxy.close()
+        w.kill()
+
+
+@pytest.mark.parametrize("mem", ["inf", "1e30", "nan", "-1", "5e-7"])
+def test_the_worker_refuses_a_cap_it_cannot_impose(mem):
+    """--mem inf / 1e30 ended in a Python traceback (OverflowError), nan in an unclear one, and
+    5e-7 printed "capped" and served uncapped (less than a byte): each is an error now."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "powerinfer_py.pipeline.rpc_server", "--port", str(free_port()),
+                            "--threads", "1", "--mem", mem], cwd=REPO_DIR, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"--mem {mem}: the worker served ({e.stdout!r})")
+    assert r.returncode == 1 and r.stderr.startswith("error: --mem ") and "Traceback" not in r.stderr, \
+        (r.returncode, r.stdout, r.stderr[-2000:])

@@ -1,7 +1,8 @@
 """GGUF files as the engine and the pipeline use them, with the gguf package: reading
 standard and PowerInfer (`PWRI` magic) files, our keys, float tensors in and out
 (quantized to the output type), and the one finisher every GGUF writer of this
-package ends with (written to `<dst>.tmp`, PWRI magic stamped if asked, renamed).
+package ends with (written to a new temporary file beside the output, PWRI magic stamped
+if asked, renamed).
 
 Statistics of ours (docs/pipeline.md): tensor `blk.N.ffn_act_count` F32[n_ff] = the
 number of profiled tokens on which neuron i of layer N fired; key
@@ -10,6 +11,7 @@ number of profiled tokens on which neuron i of layer N fired; key
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -123,29 +125,39 @@ def file_type(outtype: str):
 
 
 def new_writer(dst: str, arch: str):
-    """A gguf.GGUFWriter for `dst`, writing to `<dst>.tmp` until finish()."""
+    """A gguf.GGUFWriter for `dst`, on no file until finish() writes it."""
     import gguf
 
-    return gguf.GGUFWriter(os.fspath(dst) + ".tmp", arch)
+    return gguf.GGUFWriter(None, arch)
 
 
-def finish(writer, dst: str, pwri: bool = False, progress: bool = False) -> None:
-    """Writes the GGUF of new_writer(dst, ...) to `<dst>.tmp`, stamps the PWRI magic if asked,
-    and renames it to dst; on failure nothing is left at either name."""
+def finish(writer, dst: str, pwri: bool = False, progress: bool = False, inputs: Sequence[str] = ()) -> None:
+    """Writes the GGUF of new_writer(dst, ...) to a new temporary file beside dst, stamps the
+    PWRI magic if asked, and renames it to dst (_files.replacing: on failure dst is as it
+    was and no temporary is left; a full disk says so). `inputs`: the files the writer's
+    tensors were read from (memory maps), which dst must not be."""
+    from pathlib import Path
+
+    from .._files import replacing
+
     dst = os.fspath(dst)
-    tmp = dst + ".tmp"
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-        writer.close()
+    for src in inputs:
+        if os.path.exists(src) and os.path.exists(dst) and os.path.samefile(src, dst):
+            raise FormatError(f"{dst}: the output must not be the input {src}")
+    with replacing(dst) as tmp:
+        try:
+            writer.write_header_to_file(Path(tmp))
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file(progress=progress)
+            writer.close()
+        except BaseException:
+            for f in writer.fout or ():
+                with contextlib.suppress(OSError):
+                    f.close()
+            raise
         if pwri:
             with open(tmp, "r+b") as f:
                 f.write(PWRI_MAGIC)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------- activation statistics

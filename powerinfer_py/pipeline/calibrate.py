@@ -13,6 +13,7 @@ output is written to a temporary name and renamed when complete.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, token_chunks
+from .common import PipelineError, Progress, check_output, files, read_corpus, run_cli, same_file, token_chunks
 
 T = TypeVar("T")
 
@@ -100,7 +101,7 @@ def write_gate_model(src: str, dst: str, taus: np.ndarray, progress: bool = True
                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             else:
                 w.add_tensor(t.name.replace("ffn_down", "ffn_down_t"), down_t.astype(np.float16))
-    finish(w, dst, progress=progress)
+    finish(w, dst, progress=progress, inputs=[src])
 
 
 def evaluate(model_path: str, text: str, mode: str, n_tokens: int = 200, n_threads: int = 2):
@@ -130,6 +131,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--eval", metavar="FILE", help="held-out text: print NLL and decode speed, dense vs gate")
 
     def run(args):
+        # every argument before the minutes of calibration
+        if not 0.0 <= args.sparsity < 1.0:  # NaN too
+            raise PipelineError(f"--sparsity must be in [0, 1), got {args.sparsity}")
+        if args.n_tokens < 1 or args.threads < 1:
+            raise PipelineError(f"--n-tokens and --threads must be >= 1, got {args.n_tokens} and {args.threads}")
+        if not os.path.isfile(args.model):
+            raise PipelineError(f"model {args.model}: no such file")
+        if args.eval and not os.path.isfile(args.eval):
+            raise PipelineError(f"--eval {args.eval}: no such file")
+        check_output(args.out, "--out", os.path.getsize(args.model))
         texts = read_corpus(args.corpus)
         counts, lo, hi = collect_histograms(args.model, texts, args.n_tokens, args.threads)
         taus = thresholds_for_sparsity(counts, lo, hi, args.sparsity)

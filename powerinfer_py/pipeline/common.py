@@ -5,17 +5,17 @@ progress bar."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._core import Model
+from .._files import check_folder, check_space, replacing, terminate_as_interrupt
 from .._progress import Progress
 
 # Input mode's quality probes and trust cards need the sparse arithmetic itself: where the
@@ -23,7 +23,8 @@ from .._progress import Progress
 # those matrices dense (never slower than dense) and the probes would measure nothing.
 os.environ.setdefault("POWERINFER_INPUT_SCALAR", "1")
 
-__all__ = ["PipelineError", "Progress", "check_paths", "files", "read_corpus", "read_samples", "replacing", "run_cli",
+__all__ = ["PipelineError", "Progress", "check_output", "check_paths", "files", "read_corpus", "read_samples", "replacing",
+           "run_cli",
            "same_file", "tokenize_texts", "write_text"]
 
 
@@ -39,18 +40,30 @@ Paths = Sequence[Tuple[str, Optional[str], Sequence[str]]]
 def run_cli(fn, argv, parser=None, paths: Optional[Callable[..., Tuple[Paths, Paths]]] = None) -> int:
     """Runs fn(argv) turning expected failures into a message and exit status 1. With a
     parser, fn gets the parsed arguments, once check_paths(*paths(args)) has refused an
-    output that would overwrite an input: every command declares both, so that the one
-    check runs before the command does anything (`sample MODEL --out MODEL` replaced a
-    98 MB model by 473 bytes of JSON lines)."""
-    try:
-        if parser is not None:
-            argv = parser.parse_args(argv)
-            if paths is not None:
-                check_paths(*paths(argv))
-        return fn(argv) or 0
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    output that would overwrite an input or that cannot be written: every command declares
+    both, so that the one check runs before the command does anything (`sample MODEL --out
+    MODEL` replaced a 98 MB model by 473 bytes of JSON lines; an output in a read-only
+    folder failed after the whole computation). SIGTERM ends the command as SIGINT does,
+    its temporary files removed (_files.terminate_as_interrupt)."""
+    with terminate_as_interrupt():
+        try:
+            if parser is not None:
+                argv = parser.parse_args(argv)
+                if paths is not None:
+                    check_paths(*paths(argv))
+            return fn(argv) or 0
+        except (OSError, ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+
+def check_output(path, label: str = "--out", nbytes: int = 0) -> None:
+    """PipelineError unless a file can be written at path (its folder exists and takes a new
+    file) with room for about nbytes: checked first by the commands that write a model,
+    which do not make missing folders, so that a slip ends before minutes of work."""
+    why = check_folder(path, label) or (check_space(path, nbytes, label) if nbytes > 0 else None)
+    if why:
+        raise PipelineError(why)
 
 
 def files(path: Optional[str], *inside: str) -> List[str]:
@@ -79,20 +92,10 @@ def check_paths(outputs: Paths, inputs: Paths) -> None:
             if os.path.samefile(o_path, i_path):
                 raise PipelineError(f"{o_label} {o_given} would overwrite {i_label} {i_path}; write the output "
                                     "elsewhere")
-
-
-@contextlib.contextmanager
-def replacing(path) -> Iterator[str]:
-    """A temporary name beside path, for the caller to write; renamed to path when the block
-    ends without an error and removed when it raises, so that a write that fails midway
-    (a full disk, an interrupt) leaves the file path held before."""
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    for label, given, _ in outputs:
+        why = check_folder(given, label, create=True) if given is not None else None
+        if why:
+            raise PipelineError(why)
 
 
 def write_text(path, text: str) -> None:

@@ -40,7 +40,7 @@ from . import evaluate
 from ..formats.gguf_io import (KEY_ACTIVATION, KEY_STATS_N_TOKENS, KEY_THRESHOLD, KEY_THRESHOLDS, OUTTYPES,
                                PWRI_MAGIC, STATS_TENSOR, add_weight, copy_kv, field, file_type, finish, new_writer,
                                open_gguf, read_stats, tensor_f32)
-from .common import PipelineError, files, run_cli, same_file
+from .common import PipelineError, check_output, files, run_cli, same_file
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
 GGUF_ARCHS = ("llama", "qwen2")
@@ -259,6 +259,7 @@ def convert(src: str, out: str, predictors: Optional[str] = None, stats: Optiona
         raise PipelineError(f"{src}: no such file or directory")
     if same_file(src, out) or (os.path.isdir(out)):
         raise PipelineError(f"--out {out} must be a new file name, not the input or a directory")
+    check_output(out)
     if os.path.isdir(src):
         arch, hp, gen, keys = _hf_source(Path(src), tokenizer_pre)
     else:
@@ -343,7 +344,7 @@ def convert(src: str, out: str, predictors: Optional[str] = None, stats: Optiona
     if counts is not None:
         for i, c in enumerate(counts):
             w.add_tensor(STATS_TENSOR.format(i), np.asarray(c, np.float32))
-    finish(w, out, pwri=True, progress=progress)
+    finish(w, out, pwri=True, progress=progress, inputs=[src] if os.path.isfile(src) else [])
     return {"out": out, "arch": arch, "n_layer": L, "outtype": outtype, "activation": act,
             "predictors": preds is not None, "stats": counts is not None, "sparse_threshold": thr,
             "bytes": os.path.getsize(out)}
@@ -377,6 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if domains and a.card_batch != 1 and a.predictors:  # the card would refuse it after converting
             raise PipelineError("--card-batch: the card of a file with predictors scores predictor mode, "
                                 "which takes --card-batch 1")
+        if domains:
+            evaluate.check_options(a.card_passages, a.card_n_tokens, a.card_n_gen, a.card_n_prompt, a.card_batch, [],
+                                   prefix="card-")
         rep = convert(a.input, a.out, predictors=a.predictors, stats=a.stats, outtype=a.outtype,
                       activation=a.activation, tokenizer_pre=a.tokenizer_pre)
         print(json.dumps(rep, indent=1))

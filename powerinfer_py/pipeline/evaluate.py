@@ -341,22 +341,30 @@ def default_modes(path: str) -> List[str]:
     return ["dense"] + ([own] if own in MODES and own != "dense" else [])
 
 
-def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[str] = None,
-             modes: Optional[Sequence[str]] = None, n_passages: int = 8, n_tokens: int = 256, threads: int = 2,
-             n_gen: int = 64, n_prompt: int = 128, measure_speed: bool = True, progress: bool = True,
-             batch: int = 1) -> Dict[str, Any]:
+def check_options(n_passages: int, n_tokens: int, n_gen: int, n_prompt: int, batch: int, modes: Sequence[str],
+                  prefix: str = "") -> None:
+    """PipelineError for options evaluate() cannot take: a command that makes a model and
+    then its card (convert, sparsify) checks them before it makes the model."""
+    o = f"--{prefix}"
     if n_tokens < 2 or n_passages < 1 or n_gen < 1 or n_prompt < 17:
-        raise PipelineError("--n-tokens must be >= 2, --passages and --n-gen >= 1, --n-prompt >= 17")
+        raise PipelineError(f"{o}n-tokens must be >= 2, {o}passages and {o}n-gen >= 1, {o}n-prompt >= 17")
     if not 1 <= batch <= MAX_BATCH:
-        raise PipelineError(f"--batch must be between 1 and {MAX_BATCH}, got {batch}")
-    modes = list(modes or default_modes(path))
+        raise PipelineError(f"{o}batch must be between 1 and {MAX_BATCH}, got {batch}")
     for m in modes:
         if m not in MODES:
             raise PipelineError(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
     union = [m for m in modes if m in ("gate", "predictor")]
     if batch > 1 and union:
-        raise PipelineError(f"--batch {batch}: {' and '.join(union)} mode computes the union of a batch's neurons, "
-                            "so a token scores better than in generation; score it with --batch 1")
+        raise PipelineError(f"{o}batch {batch}: {' and '.join(union)} mode computes the union of a batch's neurons, "
+                            f"so a token scores better than in generation; score it with {o}batch 1")
+
+
+def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[str] = None,
+             modes: Optional[Sequence[str]] = None, n_passages: int = 8, n_tokens: int = 256, threads: int = 2,
+             n_gen: int = 64, n_prompt: int = 128, measure_speed: bool = True, progress: bool = True,
+             batch: int = 1) -> Dict[str, Any]:
+    modes = list(modes or default_modes(path))
+    check_options(n_passages, n_tokens, n_gen, n_prompt, batch, modes)
     with Model(path, vocab_only=True) as m:
         n_vocab = m.n_vocab()
     if reference is not None:

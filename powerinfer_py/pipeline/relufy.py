@@ -51,7 +51,7 @@ import numpy as np
 from ..formats.gguf_io import (KEY_ACTIVATION, KEY_GATE_THRESHOLDS, KEY_THRESHOLD, KEY_THRESHOLDS, add_weight, copy_kv,
                                field, file_type, finish, new_writer, open_gguf, tensor_f32)
 from ..llama import Llama
-from .common import PipelineError, Progress, files, read_corpus, run_cli, same_file, tokenize_texts, write_text
+from .common import PipelineError, Progress, check_output, files, read_corpus, run_cli, replacing, same_file, tokenize_texts, write_text
 
 ACTS = ("silu", "relu", "drelu")
 ARCHS = ("llama", "qwen2")  # qwen2: llama with q/k/v biases and RoPE in NEOX mode (rotated halves)
@@ -258,9 +258,8 @@ def _save_checkpoint(torch, path: Path, model, opt, step: int, meta: Dict, lam: 
     state = {"step": step, "meta": meta, "opt": opt.state_dict(), "lam": lam, "layerwise": layerwise,
              "params": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
              "rng": torch.get_rng_state(), "np_rng": np.random.get_state()}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(state, tmp)
 
 
 def distill_kl(torch):
@@ -419,9 +418,8 @@ def _layerwise_stage(torch, model, teacher, tokens, lw_meta: Dict, checkpoint_di
                             seed=lw_meta["seed"], progress=progress)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"meta": lw_meta, "report": rep, "params": {k: named[k].detach().clone() for k in names}}, tmp)
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            torch.save({"meta": lw_meta, "report": rep, "params": {k: named[k].detach().clone() for k in names}}, tmp)
     return rep
 
 
@@ -437,6 +435,7 @@ def relufy(model_path: str, corpus: Sequence[str], out: str, act: str = "relu", 
         raise PipelineError(f"--act must be relu or drelu, not {act!r}")
     if same_file(model_path, out):
         raise PipelineError("--out must differ from the input model")
+    check_output(out)
     if outtype not in ("f16", "q8_0", "f32"):
         raise PipelineError(f"--outtype must be f16, q8_0 or f32, not {outtype!r}")
     if steps < 0 or seq_len < 2 or batch < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import signal
 import socket
@@ -32,6 +33,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def mem_cap_bytes(mem_mib: float) -> int:
+    """--mem in bytes (0: no cap), or PipelineError for a value that is no cap the worker can
+    impose: negative, not a number, infinite, beyond what a 64-bit size holds, or a positive
+    value below one byte (it would have served uncapped while saying "capped")."""
+    if not math.isfinite(mem_mib) or mem_mib < 0:
+        raise PipelineError(f"--mem {mem_mib}: give a number of MiB >= 0 (0: no cap)")
+    mem_bytes = int(mem_mib * 2**20)
+    if mem_mib > 0 and mem_bytes < 1:
+        raise PipelineError(f"--mem {mem_mib:g} MiB is less than one byte; give the cap in MiB (0: no cap)")
+    if mem_bytes >= 2**63:
+        raise PipelineError(f"--mem {mem_mib:g} MiB is more than a 64-bit size holds; give the cap in MiB (0: no cap)")
+    return mem_bytes
+
+
 def serve(host: str, port: int, mem_mib: float, threads: int, verbose: bool = False) -> None:
     from .._core import rpc
     from .._core.bindings import lib
@@ -42,11 +57,10 @@ def serve(host: str, port: int, mem_mib: float, threads: int, verbose: bool = Fa
 
     if not 0 < port < 65536:
         raise PipelineError(f"--port {port} is not a TCP port")
-    if mem_mib < 0:
-        raise PipelineError(f"--mem {mem_mib} must be >= 0 MiB (0: no cap)")
+    mem_bytes = mem_cap_bytes(mem_mib)
     if threads < 1:
         raise PipelineError(f"--threads {threads} must be >= 1")
-    if mem_mib > 0 and not rpc.can_cap_memory():
+    if mem_bytes > 0 and not rpc.can_cap_memory():
         raise PipelineError("--mem: this build of libpowerinfer cannot cap the worker's memory (it was built without "
                             "ggml-backend-impl.h of the llama-cpp-python sdist; run scripts/setup.sh)")
     if not _is_loopback(host):
@@ -54,11 +68,11 @@ def serve(host: str, port: int, mem_mib: float, threads: int, verbose: bool = Fa
               "authentication or encryption, and ggml-rpc servers have had remotely exploitable bugs: anyone who "
               "can reach this port can run code here. Never expose it to an untrusted network.", file=sys.stderr)
     print(f"powerinfer rpc-server: {host}:{port}, {threads} threads, memory "
-          f"{f'capped at {mem_mib:g} MiB' if mem_mib > 0 else 'not capped'} (pid {os.getpid()})", flush=True)
+          f"{f'capped at {mem_mib:g} MiB' if mem_bytes > 0 else 'not capped'} (pid {os.getpid()})", flush=True)
     # ggml's server loop never returns to Python: let SIGINT and SIGTERM end the process.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    rpc.serve(host, port, int(mem_mib * 2**20), threads)
+    rpc.serve(host, port, mem_bytes, threads)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

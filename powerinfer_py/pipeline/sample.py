@@ -77,6 +77,7 @@ CHAT_SHARE = 2 / 3  # the rest continue an opener
 TEMPERATURE = 0.8  # below 1: a 135M model at 1 rambles into noise within a sentence or two
 TOP_P = 0.95
 TOP_K = 100  # a full-vocabulary top-p sort per token costs more than the batched step itself
+PROGRESS_EVERY = 0.25  # seconds between redraws of the progress bar (tokens generated, tok/s)
 
 
 def prompts(n: int, seed: int) -> List[Tuple[str, str]]:
@@ -128,7 +129,7 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
     # Enough prompts for the shortest plausible samples; more are made if they run out.
     todo = prompts(max(64, 4 * n_tokens // 16), seed)
     done: Dict[int, Dict] = {}  # written by this thread only, from the finished futures
-    bar = Progress("sample", n_tokens, progress, fmt=lambda n: f"{n} tokens")
+    bar = Progress("sample", n_tokens, progress, fmt=lambda n: f"{n} tokens", rate="tok")
 
     def one(i: int, pool: ParallelLlama) -> Dict:
         kind, prompt = todo[i]
@@ -155,7 +156,10 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
         running, nxt = set(), 0
         while True:
             k, total = prefix_tokens()
-            bar.update(min(total, n_tokens))
+            # the tokens generated so far, finished samples or not: the first n_parallel
+            # samples can hold the whole budget, and the kept prefix grows only as they end
+            generated = max(total, pool.stats["tokens_generated"])
+            bar.update(min(generated, n_tokens) if total < n_tokens else n_tokens, f"{k} samples done")
             if total >= n_tokens:
                 break
             # Keep n_parallel in flight; index order, so the kept prefix never has a hole.
@@ -164,7 +168,7 @@ def sample(model_path: str, out: str, n_tokens: int, max_tokens: int = 256, n_pa
                     todo.extend(prompts(2 * len(todo), seed)[len(todo):])
                 running.add(ex.submit(one, nxt, pool))
                 nxt += 1
-            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            finished, running = wait(running, timeout=PROGRESS_EVERY, return_when=FIRST_COMPLETED)
             for f in finished:
                 rec = f.result()
                 done[rec["i"]] = rec

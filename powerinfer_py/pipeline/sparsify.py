@@ -47,7 +47,7 @@ from .._core import Context, Model
 from .._core.bindings import lib
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
 from .calibrate import decode_calibration
-from .common import PipelineError, files, read_corpus, run_cli, same_file, token_chunks
+from .common import PipelineError, check_output, files, read_corpus, run_cli, same_file, token_chunks
 from .evaluate import passage_logp
 
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"
@@ -403,7 +403,7 @@ def write_sparse_model(src: str, dst: str, taus: np.ndarray, sparsity: float, me
     w.add_uint32(KEY_HEAD_EXACT_ROWS, int(lib.POWERINFER_HEAD_EXACT_ROWS))
     for t in reader.tensors:
         w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    finish(w, dst, progress=progress)
+    finish(w, dst, progress=progress, inputs=[src])
 
 
 def calibration_texts(corpus: Sequence[str], samples: int, model_path: str, threads: int) -> List[str]:
@@ -430,6 +430,30 @@ ALLOCATIONS = ("measured", "greedy", "uniform")
 CARD_BATCH = 16
 
 
+def check_arguments(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
+                    n_tokens: int = 8192, allocation: str = "measured", threads: int = 2) -> None:
+    """PipelineError for arguments sparsify() cannot take, before it calibrates (on a 1.5B
+    model, 20 minutes): a sparsity out of [0, 1), counts below 1, files that are missing, an
+    output that is the input or that its folder cannot take (missing, read-only, full)."""
+    if allocation not in ALLOCATIONS:
+        raise PipelineError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    if not 0.0 <= sparsity < 1.0:  # NaN too
+        raise PipelineError(f"--sparsity must be in [0, 1), got {sparsity}")
+    if n_tokens < 1 or samples < 0 or threads < 1:
+        raise PipelineError(f"--n-tokens and --threads must be >= 1 and --samples >= 0, got {n_tokens}, {threads} "
+                            f"and {samples}")
+    if not os.path.isfile(model_path):
+        raise PipelineError(f"model {model_path}: no such file")
+    if sparsity > 0.0 and not corpus and samples == 0:
+        raise PipelineError("no calibration text: give --corpus files or --samples N")
+    for f in corpus:
+        if not os.path.isfile(f):
+            raise PipelineError(f"corpus file {f}: no such file")
+    if same_file(model_path, out):
+        raise PipelineError("the output must not be the input file")
+    check_output(out, "--out", os.path.getsize(model_path))
+
+
 def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] = (), samples: int = 0,
              n_tokens: int = 8192, allocation: str = "measured", threads: int = 2, progress: bool = True,
              histograms: Optional[Tuple[np.ndarray, float, float, int]] = None,
@@ -437,10 +461,7 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     """The sparse copy of model_path at this byte-weighted sparsity; `histograms` and `weights`
     (a previous run's results of those names) skip the calibration and the sensitivity
     measurement, so one of each serves several sparsities."""
-    if allocation not in ALLOCATIONS:
-        raise PipelineError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    if not os.path.isfile(model_path):
-        raise PipelineError(f"model {model_path}: no such file")
+    check_arguments(model_path, out, sparsity, corpus, samples, n_tokens, allocation, threads)
     reader = open_gguf(model_path)
     arch = str(reader.get_field("general.architecture").contents())
     block_count = reader.get_field(f"{arch}.block_count")
@@ -500,9 +521,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     evaluate.add_arguments(p, prefix="card-", batch=CARD_BATCH)
 
     def run(a):
-        if not a.no_card and not a.text:
-            raise PipelineError("the trust card needs held-out text: --text [NAME=]FILE... (or --no-card)")
         samples = a.samples if a.samples is not None else (0 if a.corpus else 2048)
+        # everything the card will need is checked before the minutes of calibration
+        check_arguments(a.model, a.out, a.sparsity, a.corpus, samples, a.n_tokens, a.allocation, a.threads)
+        if not a.no_card:
+            if not a.text:
+                raise PipelineError("the trust card needs held-out text: --text [NAME=]FILE... (or --no-card)")
+            evaluate.parse_domains(a.text)
+            evaluate.check_options(a.card_passages, a.card_n_tokens, a.card_n_gen, a.card_n_prompt, a.card_batch,
+                                   ["input"], prefix="card-")
         r = sparsify(a.model, a.out, a.sparsity, a.corpus, samples, a.n_tokens, a.allocation, a.threads)
         s, b = r["sparsity"], r["bytes"]
         # the layers' inputs by kind, then the output matrix (row n_layer, input 0: not a q/k/v)

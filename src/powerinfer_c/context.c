@@ -155,6 +155,12 @@ static int32_t host_measure_compute(void * self, uint64_t * device_bytes) {
         return pi_fail(POWERINFER_ERR_INTERNAL, "cannot build the graph that sizes the compute buffers");
     }
     if (!ggml_backend_sched_reserve(ctx->sched, gf)) {
+        // A worker that went away (killed during the model's upload) refuses every buffer:
+        // say that, not that the budget was too large.
+        const int32_t gone = pi_placement_check(ctx->model);
+        if (gone != POWERINFER_OK) {
+            return gone;
+        }
         // Name the devices and what they report free: the budget was above what one holds.
         char where[512] = "";
         size_t n = 0;

@@ -646,6 +646,7 @@ int32_t pi_placement_decide(struct powerinfer_model * model, const struct pi_pla
     }
     for (int32_t d = 0; rc == POWERINFER_OK && d < n_dev; ++d) {
         if (pi_device_failed(&devs[d])) {
+            pi_device_disconnect(&devs[d]);
             rc = pi_fail(POWERINFER_ERR_IO, "RPC worker %s stopped answering while the model was placed", devs[d].name);
         }
     }
@@ -757,6 +758,7 @@ int32_t pi_placement_check(struct powerinfer_model * model) {
     for (int32_t d = 0; !pl->failed && d < pl->n_dev; ++d) {
         if (pi_device_failed(&pl->devs[d].dev)) {
             pl->failed = true;
+            pi_device_disconnect(&pl->devs[d].dev);
             pi_log(POWERINFER_LOG_ERROR, "powerinfer: %s stopped answering; the model cannot compute any more\n",
                    pl->devs[d].dev.name);
         }
@@ -766,8 +768,9 @@ int32_t pi_placement_check(struct powerinfer_model * model) {
     }
     for (int32_t d = 0; d < pl->n_dev; ++d) {
         if (pi_device_failed(&pl->devs[d].dev)) {
-            return pi_fail(POWERINFER_ERR_IO, "RPC worker %s stopped answering (it died or the network failed): this model "
-                           "cannot compute any more; load it again once the worker is back", pl->devs[d].dev.name);
+            return pi_fail(POWERINFER_ERR_IO, "RPC worker %s stopped answering (it died, was stopped or the network "
+                           "failed): this model cannot compute any more; load it again once the worker is back",
+                           pl->devs[d].dev.name);
         }
     }
     return pi_fail(POWERINFER_ERR_IO, "an RPC worker of this model stopped answering: load the model again");

@@ -93,6 +93,7 @@ struct pi_device {
     bool                       emulated;  // a CPU buffer (tests, machines without a GPU)
     bool                       rpc;       // served by an RPC worker (ggml-rpc)
     char                       name[128]; // "Vulkan0 (...)", "RPC0 (127.0.0.1:50052)", "CPU emulation"
+    char                       endpoint[128]; // an RPC worker's "host:port"; "" otherwise
     ggml_backend_dev_t         dev;       // NULL when emulated
     ggml_backend_t             backend;   // NULL when emulated
     ggml_backend_buffer_type_t buft;      // where its tensors live
@@ -110,6 +111,9 @@ void     pi_device_memory(const struct pi_device * dev, uint64_t * free_b, uint6
 uint64_t pi_device_alloc_size(const struct pi_device * dev, const struct ggml_tensor * t);
 // An RPC device whose worker stopped answering (ggml-rpc with our patch; false otherwise).
 bool     pi_device_failed(const struct pi_device * dev);
+// Shuts down this process's connections to a failed RPC device's worker (ggml-rpc's: it
+// uses a failed one no more), so that a later load makes its handshake anew, with its deadline.
+void     pi_device_disconnect(const struct pi_device * dev);
 
 // ---- offload.c ----
 #define PI_OFFLOAD_GROUP 32  // device rows are placed in groups of this many neurons (Q8_0 block of the down copy)

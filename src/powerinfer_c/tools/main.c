@@ -277,6 +277,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
     return 0;
 }
 
+// The whole file, or NULL with errno set: a read that fails (a directory opens, then reads
+// EISDIR) is an error, never the empty prompt of what was read until then.
 static char * read_file(const char * path) {
     FILE * f = fopen(path, "rb");
     if (!f) {
@@ -294,8 +296,14 @@ static char * read_file(const char * path) {
             cap *= 2;
         }
     }
+    const int err = !buf ? ENOMEM : ferror(f) ? (errno ? errno : EIO) : 0;
     fclose(f);
-    if (buf) buf[len] = '\0';
+    if (err) {
+        free(buf);
+        errno = err;
+        return NULL;
+    }
+    buf[len] = '\0';
     return buf;
 }
 
