@@ -13,7 +13,10 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OBJ_GLOB = os.path.join(ROOT, "build", "CMakeFiles", "powerinfer.dir", "src", "powerinfer_c", "*.c.o")
+# The core's objects, and the kernel sources' (built once per ISA level: their scalar build's
+# objects stand for every level; kernel_levels.c calls them by their suffixed names).
+OBJ_GLOBS = [os.path.join(ROOT, "build", "CMakeFiles", d, "src", "powerinfer_c", "*.c.o")
+             for d in ("powerinfer.dir", "pi-kernels-scalar.dir")]
 SOURCES = sorted(os.path.basename(p)[:-2] for p in glob.glob(os.path.join(ROOT, "src", "powerinfer_c", "*.c")))
 
 
@@ -31,9 +34,9 @@ def _symbols(obj: str):
 
 def file_graph():
     """{file: set of files it calls}, from the objects of the current build."""
-    objs = {os.path.basename(p)[: -len(".c.o")]: p for p in glob.glob(OBJ_GLOB)}
+    objs = {os.path.basename(p)[: -len(".c.o")]: p for g in OBJ_GLOBS for p in glob.glob(g)}
     missing = [s for s in SOURCES if s not in objs]
-    assert not missing, f"no object files for {missing} under {os.path.dirname(OBJ_GLOB)}: build with ./scripts/setup.sh"
+    assert not missing, f"no object files for {missing} under {[os.path.dirname(g) for g in OBJ_GLOBS]}: build with ./scripts/setup.sh"
     syms = {name: _symbols(p) for name, p in objs.items() if name in SOURCES}
     owner = {s: name for name, (defined, _) in syms.items() for s in defined}
     graph = collections.defaultdict(set)
