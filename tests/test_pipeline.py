@@ -889,13 +889,16 @@ def test_a_write_that_fills_the_disk_says_so(small_disk):
     assert list(small_disk.iterdir()) == []
 
 
-def test_sample_shows_progress_as_tokens_come(smollm2_path, tmp_path, capsys):
+def test_sample_shows_progress_as_tokens_come(smollm2_path, tmp_path, capsys, monkeypatch):
     """Issue 53, item 10: the bar counted the finished samples' tokens only, so with the first
     --parallel samples holding the whole budget it sat at 0 (814 s on a 1.5B) and then jumped
     to the end. It counts tokens as they are generated, with the rate."""
-    from powerinfer_py.pipeline.sample import sample
+    from powerinfer_py.pipeline import sample as sample_mod
 
-    sample(smollm2_path, str(tmp_path / "s.jsonl"), 128, max_tokens=128, n_parallel=1, threads=2, progress=True)
+    # redrawn every 20 ms, so that even a fast machine (SmolLM2 at hundreds of tokens a
+    # second) draws the count several times on the way
+    monkeypatch.setattr(sample_mod, "PROGRESS_EVERY", 0.02)
+    sample_mod.sample(smollm2_path, str(tmp_path / "s.jsonl"), 128, max_tokens=128, n_parallel=1, threads=2, progress=True)
     err = capsys.readouterr().err
     draws = [d for d in err.split("\r") if d.startswith("sample [")]
     counts = {int(d.split("] ")[1].split(" tokens")[0]) for d in draws}

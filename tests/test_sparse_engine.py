@@ -17,7 +17,7 @@ import pytest
 from powerinfer_py._core import Context, Model
 from powerinfer_py._core.bindings import ffi, lib
 from powerinfer_py.assets.synthetic import PRESETS, generate
-from powerinfer_py import Llama
+from powerinfer_py import Llama, kernel_level
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = ROOT / "build" / "bin" / "main"
@@ -522,7 +522,7 @@ def test_sparse_stats_reports_the_active_share(tiny):
         assert llm.sparse_stats()["active"] is None
     with Llama(tiny["tiny-q8"]["dense"], n_ctx=256, n_threads=2, verbose=False, sparse_mode="dense") as llm:
         llm.create_completion("the cat sat", max_tokens=4, temperature=0)
-        assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None}
+        assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None, "kernels": kernel_level()}
 
 
 LONG_PROMPT = b"the cat sat on the mat and the dog sat on the log, then the bird sang in the tree by the old"
@@ -592,7 +592,7 @@ def test_llama_sparse_stats_after_a_prompt_alone(tiny):
         toks = llm.tokenize(LONG_PROMPT)
         llm.eval(toks[:16])
         llm.eval(toks[16:])  # a chunk without position 0, above sparse_max_batch
-        assert llm.sparse_stats() == {"mode": "predictor", "layers": [None] * 2, "active": None}
+        assert llm.sparse_stats() == {"mode": "predictor", "layers": [None] * 2, "active": None, "kernels": kernel_level()}
         for t in toks[:5]:
             llm.eval([t])
         counts = [llm._ctx.sparse_stats(il) for il in range(2)]
