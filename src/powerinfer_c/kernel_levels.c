@@ -19,98 +19,77 @@
 #endif
 #endif
 
-// name, parameters, arguments; one list for the table, the per-level declarations and the
-// forwarding definitions.
-#define PI_KERNEL_FUNCS(X, V)                                                                                              \
-    X(struct ggml_tensor *, pi_attention,                                                                                  \
+// level, name, parameters, arguments; one list for the table, the per-level declarations
+// and the forwarding definitions (which ignore the level).
+#define PI_KERNEL_FUNCS(X, V, L)                                                                                              \
+    X(L, struct ggml_tensor *, pi_attention,                                                                                  \
       (struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * kc, struct ggml_tensor * vc,                \
        struct ggml_tensor * cells, int64_t n_head_kv, float scale),                                                        \
       (ctx, q, kc, vc, cells, n_head_kv, scale))                                                                           \
-    X(bool, pi_colmat_type_ok, (enum ggml_type type), (type))                                                              \
-    X(size_t, pi_colmat_plan, (struct pi_colmat * cm, struct ggml_tensor * const * w, int n), (cm, w, n))                  \
-    V(pi_colmat_bind, (struct pi_colmat * cm, void * mem), (cm, mem))                                                      \
-    V(pi_colmat_fill, (const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth), (cm, w, ith, nth))  \
-    V(pi_colmat_row, (const struct pi_colmat * cm, int64_t r, float * w, float * a, float * b), (cm, r, w, a, b))         \
-    V(pi_colmat_force_scalar, (bool on), (on))                                                                             \
-    X(bool, pi_colmat_simd, (void), ())                                                                                    \
-    X(struct ggml_tensor *, pi_input_sparse_matmul, (struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x), \
+    X(L, bool, pi_colmat_type_ok, (enum ggml_type type), (type))                                                              \
+    X(L, size_t, pi_colmat_plan, (struct pi_colmat * cm, struct ggml_tensor * const * w, int n), (cm, w, n))                  \
+    V(L, pi_colmat_bind, (struct pi_colmat * cm, void * mem), (cm, mem))                                                      \
+    V(L, pi_colmat_fill, (const struct pi_colmat * cm, struct ggml_tensor * const * w, int ith, int nth), (cm, w, ith, nth))  \
+    V(L, pi_colmat_row, (const struct pi_colmat * cm, int64_t r, float * w, float * a, float * b), (cm, r, w, a, b))         \
+    V(L, pi_colmat_force_scalar, (bool on), (on))                                                                             \
+    X(L, bool, pi_colmat_simd, (void), ())                                                                                    \
+    X(L, struct ggml_tensor *, pi_input_sparse_matmul, (struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x), \
       (ctx, op, x))                                                                                                        \
-    V(pi_prefetch, (const void * p, size_t n), (p, n))                                                                     \
-    V(pi_rows_dot,                                                                                                         \
+    V(L, pi_prefetch, (const void * p, size_t n), (p, n))                                                                     \
+    V(L, pi_rows_dot,                                                                                                         \
       (enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out,                     \
        const struct pi_next_rows * next),                                                                                  \
       (type, n, rows, k, y, out, next))                                                                                    \
-    V(pi_rows_axpy,                                                                                                        \
+    V(L, pi_rows_axpy,                                                                                                        \
       (enum ggml_type type, int64_t n, const void * const * rows, const float * a, int k, float * out,                    \
        const struct pi_next_rows * next, bool init),                                                                       \
       (type, n, rows, a, k, out, next, init))                                                                              \
-    X(bool, pi_pack_available, (void), ())                                                                                 \
-    X(bool, pi_pack_fits, (enum ggml_type type, int64_t n_cols, int64_t n_rows), (type, n_cols, n_rows))                   \
-    X(enum pi_pack_type, pi_pack_type_of, (enum ggml_type type), (type))                                                   \
-    X(struct ggml_tensor *, pi_pack_tensor, (struct ggml_context * ctx, enum pi_pack_type type, int64_t n_rows, int64_t n_cols), \
+    X(L, bool, pi_pack_available, (void), ())                                                                                 \
+    X(L, bool, pi_pack_fits, (enum ggml_type type, int64_t n_cols, int64_t n_rows), (type, n_cols, n_rows))                   \
+    X(L, enum pi_pack_type, pi_pack_type_of, (enum ggml_type type), (type))                                                   \
+    X(L, struct ggml_tensor *, pi_pack_tensor, (struct ggml_context * ctx, enum pi_pack_type type, int64_t n_rows, int64_t n_cols), \
       (ctx, type, n_rows, n_cols))                                                                                         \
-    X(enum pi_pack_type, pi_pack_type, (const struct ggml_tensor * w), (w))                                               \
-    X(int64_t, pi_pack_rows, (const struct ggml_tensor * w), (w))                                                          \
-    X(int64_t, pi_pack_cols, (const struct ggml_tensor * w), (w))                                                          \
-    V(pi_pack_rows_exact,                                                                                                  \
+    X(L, enum pi_pack_type, pi_pack_type, (const struct ggml_tensor * w), (w))                                               \
+    X(L, int64_t, pi_pack_rows, (const struct ggml_tensor * w), (w))                                                          \
+    X(L, int64_t, pi_pack_cols, (const struct ggml_tensor * w), (w))                                                          \
+    V(L, pi_pack_rows_exact,                                                                                                  \
       (enum ggml_type type, const void * src, size_t row_stride, int64_t n_cols, int64_t r_begin, int64_t r_end,          \
        void * dst),                                                                                                        \
       (type, src, row_stride, n_cols, r_begin, r_end, dst))                                                                \
-    V(pi_pack_q8_group_f32, (const float * src, int64_t n_cols, int64_t r0, void * dst), (src, n_cols, r0, dst))         \
-    X(struct ggml_tensor *, pi_packed_matmul, (struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x), \
+    V(L, pi_pack_q8_group_f32, (const float * src, int64_t n_cols, int64_t r0, void * dst), (src, n_cols, r0, dst))         \
+    X(L, struct ggml_tensor *, pi_packed_matmul, (struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x), \
       (ctx, w, x))
 
 struct kernel_table {
-#define PI_FIELD(ret, name, params, args) ret (*name) params;
-#define PI_VFIELD(name, params, args)      void (*name) params;
-    PI_KERNEL_FUNCS(PI_FIELD, PI_VFIELD)
+#define PI_FIELD(L, ret, name, params, args) ret (*name) params;
+#define PI_VFIELD(L, name, params, args)      void (*name) params;
+    PI_KERNEL_FUNCS(PI_FIELD, PI_VFIELD, _)
 #undef PI_FIELD
 #undef PI_VFIELD
 };
 
 // The levels' functions (defined in the pi-kernels-<level> objects) and their tables.
+#define PI_DECL(L, ret, name, params, args)  ret name##_##L params;
+#define PI_VDECL(L, name, params, args)      void name##_##L params;
+#define PI_INIT(L, ret, name, params, args)  .name = name##_##L,
+#define PI_VINIT(L, name, params, args)      .name = name##_##L,
 #define PI_DECLARE_LEVEL(L)                                                                 \
-    PI_KERNEL_FUNCS(PI_DECL_##L, PI_VDECL_##L)                                              \
-    static const struct kernel_table table_##L = {                                          \
-        PI_KERNEL_FUNCS(PI_INIT_##L, PI_VINIT_##L)                                          \
-    };
-
-#define PI_DECL_GEN(L, ret, name, params)  ret name##_##L params;
-#define PI_VDECL_GEN(L, name, params)      void name##_##L params;
+    PI_KERNEL_FUNCS(PI_DECL, PI_VDECL, L)                                                   \
+    static const struct kernel_table table_##L = { PI_KERNEL_FUNCS(PI_INIT, PI_VINIT, L) };
 
 #if defined(PI_HAVE_LEVEL_SCALAR)
-#define PI_DECL_scalar(ret, name, params, args) PI_DECL_GEN(scalar, ret, name, params)
-#define PI_VDECL_scalar(name, params, args)     PI_VDECL_GEN(scalar, name, params)
-#define PI_INIT_scalar(ret, name, params, args) .name = name##_scalar,
-#define PI_VINIT_scalar(name, params, args)     .name = name##_scalar,
 PI_DECLARE_LEVEL(scalar)
 #endif
 #if defined(PI_HAVE_LEVEL_AVX2)
-#define PI_DECL_avx2(ret, name, params, args) PI_DECL_GEN(avx2, ret, name, params)
-#define PI_VDECL_avx2(name, params, args)     PI_VDECL_GEN(avx2, name, params)
-#define PI_INIT_avx2(ret, name, params, args) .name = name##_avx2,
-#define PI_VINIT_avx2(name, params, args)     .name = name##_avx2,
 PI_DECLARE_LEVEL(avx2)
 #endif
 #if defined(PI_HAVE_LEVEL_AVXVNNI)
-#define PI_DECL_avxvnni(ret, name, params, args) PI_DECL_GEN(avxvnni, ret, name, params)
-#define PI_VDECL_avxvnni(name, params, args)     PI_VDECL_GEN(avxvnni, name, params)
-#define PI_INIT_avxvnni(ret, name, params, args) .name = name##_avxvnni,
-#define PI_VINIT_avxvnni(name, params, args)     .name = name##_avxvnni,
 PI_DECLARE_LEVEL(avxvnni)
 #endif
 #if defined(PI_HAVE_LEVEL_AVX512)
-#define PI_DECL_avx512(ret, name, params, args) PI_DECL_GEN(avx512, ret, name, params)
-#define PI_VDECL_avx512(name, params, args)     PI_VDECL_GEN(avx512, name, params)
-#define PI_INIT_avx512(ret, name, params, args) .name = name##_avx512,
-#define PI_VINIT_avx512(name, params, args)     .name = name##_avx512,
 PI_DECLARE_LEVEL(avx512)
 #endif
 #if defined(PI_HAVE_LEVEL_DOTPROD)
-#define PI_DECL_dotprod(ret, name, params, args) PI_DECL_GEN(dotprod, ret, name, params)
-#define PI_VDECL_dotprod(name, params, args)     PI_VDECL_GEN(dotprod, name, params)
-#define PI_INIT_dotprod(ret, name, params, args) .name = name##_dotprod,
-#define PI_VINIT_dotprod(name, params, args)     .name = name##_dotprod,
 PI_DECLARE_LEVEL(dotprod)
 #endif
 
@@ -219,6 +198,6 @@ POWERINFER_API const char * powerinfer_kernel_levels(void) { return pi_kernel_le
 POWERINFER_API bool powerinfer_set_kernel_level(const char * level) { return pi_kernel_level_set(level); }
 
 // The forwarding definitions: each public kernel name calls the chosen level's.
-#define PI_FWD(ret, name, params, args)  ret name params { return g_level->table->name args; }
-#define PI_VFWD(name, params, args)      void name params { g_level->table->name args; }
-PI_KERNEL_FUNCS(PI_FWD, PI_VFWD)
+#define PI_FWD(L, ret, name, params, args)  ret name params { return g_level->table->name args; }
+#define PI_VFWD(L, name, params, args)      void name params { g_level->table->name args; }
+PI_KERNEL_FUNCS(PI_FWD, PI_VFWD, _)
