@@ -1965,24 +1965,21 @@ static struct op_layout layout_of(const struct pi_colmat * cm, int64_t T, int64_
     return L;
 }
 
-// Column piece cp's partial plane [T][n_pad]: y itself for piece 0 when L.y_plane.
-static inline float * part_plane(struct ggml_tensor * dst, const struct op_layout * L, int64_t plane, int64_t cp) {
-    float * base = (float *) dst->data;
-    return L->y_plane ? (cp == 0 ? base : base + L->parts + (size_t) (cp - 1) * (size_t) plane)
+// Column piece cp's partial plane [T][n_pad]: y itself for piece 0 when L.y_plane. base: the
+// op's memory (y is its start when the op is a graph node, a tensor of its own for pi_input_sparse_run).
+static inline float * part_plane(float * base, float * y, const struct op_layout * L, int64_t plane, int64_t cp) {
+    return L->y_plane ? (cp == 0 ? y : base + L->parts + (size_t) (cp - 1) * (size_t) plane)
                       : base + L->parts + (size_t) cp * (size_t) plane;
 }
 
 // prepare (threads by quantization blocks) | the pieces (claimed) | the sum of the pieces'
 // partials (threads by rows), with two barriers: one graph node.
-static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    struct pi_input_op * op = userdata;
+static void input_run(struct pi_input_op * op, const struct ggml_tensor * x, float * y, float * base, int ith, int nth) {
     const struct pi_colmat * cm = op->cm;
-    const struct ggml_tensor * x = dst->src[0];
     const struct piece_grid G = grid_of(cm, op->n_threads);
     const int64_t T = x->ne[1], n_units = n_units_of(cm), n_pieces = G.n_col * G.n_row, n_pad = cm->n_pad;
     const struct op_layout L = layout_of(cm, T, op->n_threads);
-    float * y = (float *) dst->data;
-    const struct prep_view pv = { (int32_t *) dst->data + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
+    const struct prep_view pv = { (int32_t *) base + L.prep, rec_len(cm->chunk, T), cm->n_in / cm->chunk };
 
     const int64_t n_blocks = cm->n_in / cm->xblock;
     const int64_t kept = prepare_blocks(cm, op->stat->threshold, x, &pv, n_blocks * ith / nth, n_blocks * (ith + 1) / nth);
@@ -1994,7 +1991,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     op_barrier(op, nth);
 
     // threads beyond the scratch slots (more than the graph was built for) claim no pieces
-    int32_t * scratch = (int32_t *) dst->data + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
+    int32_t * scratch = (int32_t *) base + L.scratch + 2 * (size_t) ith * (size_t) (n_pad * T);
     int64_t order[PI_CM_MAX_PIECES];
     if (ith < L.slots) piece_order(cm, &pv, T, G, order);
     for (; ith < L.slots;) {
@@ -2002,7 +1999,7 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         if (i >= n_pieces) break;
         const int64_t p = order[i];
         const int64_t cp = p / G.n_row, rp = p % G.n_row;
-        const struct piece_buf pb = { part_plane(dst, &L, n_pad * T, cp), scratch, scratch + n_pad * T,
+        const struct piece_buf pb = { part_plane(base, y, &L, n_pad * T, cp), scratch, scratch + n_pad * T,
                                       G.n_tiles * rp / G.n_row, G.n_tiles * (rp + 1) / G.n_row };
         const int64_t u0 = n_units * cp / G.n_col, u1 = n_units * (cp + 1) / G.n_col;
 #ifdef PI_CM_SIMD
@@ -2021,22 +2018,34 @@ static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     // each row: the partials of the column pieces, in their order. Threads take whole tiles.
     for (int64_t g = G.n_tiles * ith / nth; g < G.n_tiles * (ith + 1) / nth; ++g) {
         int k = 0;
-        int64_t base = 0;  // segment k's first tile
-        while (g >= base + cm->seg[k].n_tiles) base += cm->seg[k++].n_tiles;
+        int64_t tile0 = 0;  // segment k's first tile
+        while (g >= tile0 + cm->seg[k].n_tiles) tile0 += cm->seg[k++].n_tiles;
         const struct pi_colmat_seg * s = &cm->seg[k];
-        const int64_t r0 = (g - base) * TILE, r1 = r0 + TILE < s->n_rows ? r0 + TILE : s->n_rows;
+        const int64_t r0 = (g - tile0) * TILE, r1 = r0 + TILE < s->n_rows ? r0 + TILE : s->n_rows;
         for (int64_t t = 0; t < T; ++t) {
             float * yt = y + t * cm->n_out + s->row0;
             if (!L.y_plane) {
-                const float * p0 = part_plane(dst, &L, n_pad * T, 0) + t * n_pad + s->pad0;
+                const float * p0 = part_plane(base, y, &L, n_pad * T, 0) + t * n_pad + s->pad0;
                 for (int64_t r = r0; r < r1; ++r) yt[r] = p0[r];
             }
             for (int64_t cp = 1; cp < G.n_col; ++cp) {
-                const float * pp = part_plane(dst, &L, n_pad * T, cp) + t * n_pad + s->pad0;
+                const float * pp = part_plane(base, y, &L, n_pad * T, cp) + t * n_pad + s->pad0;
                 for (int64_t r = r0; r < r1; ++r) yt[r] += pp[r];
             }
         }
     }
+}
+
+static void input_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    input_run(userdata, dst->src[0], (float *) dst->data, (float *) dst->data, ith, nth);
+}
+
+size_t pi_input_sparse_work_size(const struct pi_colmat * cm, int64_t T, int n_threads) {
+    return layout_of(cm, T, n_threads).total * sizeof(float);
+}
+
+void pi_input_sparse_run(struct pi_input_op * op, const struct ggml_tensor * x, float * y, void * work, int ith, int nth) {
+    input_run(op, x, y, work, ith, nth);
 }
 
 struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x) {

@@ -104,3 +104,10 @@ struct pi_input_op {
 // stat->n_active / n_total count kept and considered entries per token.
 // One graph node (a view of it), run by every thread of the pool.
 struct ggml_tensor * pi_input_sparse_matmul(struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x);
+
+// The same product outside a graph (the ggml backend module, src/powerinfer_accel/): thread
+// ith of nth (every one calls it, nth <= op->n_threads) computes y = W x into y (F32
+// [n_out, T], row stride n_out) with `work` as its memory: pi_input_sparse_work_size bytes,
+// 64-byte aligned, shared by the threads of one call. Bits equal to the graph node's.
+size_t pi_input_sparse_work_size(const struct pi_colmat * cm, int64_t T, int n_threads);
+void pi_input_sparse_run(struct pi_input_op * op, const struct ggml_tensor * x, float * y, void * work, int ith, int nth);

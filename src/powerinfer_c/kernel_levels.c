@@ -35,6 +35,9 @@
     X(L, bool, pi_colmat_simd, (void), ())                                                                                    \
     X(L, struct ggml_tensor *, pi_input_sparse_matmul, (struct ggml_context * ctx, struct pi_input_op * op, struct ggml_tensor * x), \
       (ctx, op, x))                                                                                                        \
+    X(L, size_t, pi_input_sparse_work_size, (const struct pi_colmat * cm, int64_t T, int n_threads), (cm, T, n_threads))     \
+    V(L, pi_input_sparse_run, (struct pi_input_op * op, const struct ggml_tensor * x, float * y, void * work, int ith, int nth), \
+      (op, x, y, work, ith, nth))                                                                                          \
     V(L, pi_prefetch, (const void * p, size_t n), (p, n))                                                                     \
     V(L, pi_rows_dot,                                                                                                         \
       (enum ggml_type type, int64_t n, const void * const * rows, int k, const void * y, float * out,                     \

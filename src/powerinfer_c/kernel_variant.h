@@ -20,6 +20,8 @@
 #define pi_colmat_force_scalar PI_VNAME(pi_colmat_force_scalar)
 #define pi_colmat_simd         PI_VNAME(pi_colmat_simd)
 #define pi_input_sparse_matmul PI_VNAME(pi_input_sparse_matmul)
+#define pi_input_sparse_work_size PI_VNAME(pi_input_sparse_work_size)
+#define pi_input_sparse_run    PI_VNAME(pi_input_sparse_run)
 #define pi_prefetch            PI_VNAME(pi_prefetch)
 #define pi_rows_dot            PI_VNAME(pi_rows_dot)
 #define pi_rows_axpy           PI_VNAME(pi_rows_axpy)
