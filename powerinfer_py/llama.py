@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Generator, List, O
 import numpy as np
 
 from ._core import Context, Model, PowerInferError
+from ._core import accel as _accel
 from ._core.bindings import kernel_level, set_log_level
 from ._core.errors import ERR_UNSUPPORTED
 from ._llama import aliases as _aliases
@@ -416,7 +417,13 @@ class Llama:
         kernels run at on this CPU ("kernels": "avx512", "avx2", "dotprod", ...; None on
         the fallback engine)."""
         if self._fallback is not None:
-            return {"mode": "dense", "layers": [], "active": None, "kernels": None}
+            tag = self.__dict__.get("_accel_tag")
+            if tag is None:
+                return {"mode": "dense", "layers": [], "active": None, "kernels": None}
+            # the module inside libllama (docs/accel.md): per weight, not per layer
+            st = _accel.sparse_stats(tag)
+            return {"mode": "input", "layers": [], "active": st["active"], "weights": st["weights"],
+                    "kernels": kernel_level()}
         ctx = self._require_ctx()
         counts = [ctx.sparse_stats(il) for il in range(self._model.n_layer())]
         total = sum(n for _, n in counts)

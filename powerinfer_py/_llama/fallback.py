@@ -6,12 +6,14 @@ Every function takes the powerinfer_py.Llama it serves as `llama`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
 from typing import Any, Dict
 
 from .._core import PowerInferError
+from .._core import accel
 from .._core.errors import ERR_UNSUPPORTED
 from . import upstream
 from .constants import ENGINE_LLAMA_CPP
@@ -44,7 +46,11 @@ def load(llama: Any, core_message: str, params: Dict[str, Any]) -> None:
     if llama.verbose:
         print(f"powerinfer_py: {core_message}; falling back to engine {ENGINE_LLAMA_CPP}", file=sys.stderr)
     try:
-        fallback = upstream_llama(model_path=llama.model_path, **params)
+        # the module (docs/accel.md) runs the file's input-sparse thresholds inside libllama
+        sparse = getattr(llama, "sparse_mode", None) != "dense"
+        with accel.armed(llama.model_path) if sparse else contextlib.nullcontext((None, 0)) as (tag, n):
+            fallback = upstream_llama(model_path=llama.model_path, **params)
+        llama._accel_tag = tag if n > 0 else None
     except Exception as e:
         raise PowerInferError(
             f"Failed to load model from file: {llama.model_path}: {core_message}; "

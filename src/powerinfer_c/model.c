@@ -361,10 +361,6 @@ int32_t pi_model_bind_tensors(struct powerinfer_model * model) {
 #define PI_ENV_SPARSE_THRESHOLD "LLAMA_SPARSE_PRED_THRESHOLD"
 // Ours: per-layer predictor thresholds (written by train-predictor), over the global one.
 #define PI_KEY_SPARSE_THRESHOLDS "powerinfer.sparse_thresholds"
-// Ours: input mode's thresholds, f32 [n_layer * POWERINFER_INPUT_COUNT] (written by sparsify).
-#define PI_KEY_INPUT_THRESHOLDS "powerinfer.input_thresholds"
-// Ours: input mode's threshold of the output matrix's input, f32 (< 0 or absent: dense).
-#define PI_KEY_OUTPUT_THRESHOLD "powerinfer.output_threshold"
 
 const char * powerinfer_sparse_mode_name(int32_t mode) {
     switch (mode) {

@@ -22,6 +22,16 @@ struct llama_vocab;
 #define PI_GRAPH_MAX_NODES 8192
 #define PI_MAX_REPACK_BUFS 8
 
+// ---- input mode's keys (docs/formats.md), read by the core (model.c) and the module (src/powerinfer_accel/) ----
+// Thresholds, f32 [n_layer * POWERINFER_INPUT_COUNT] (llama/qwen2 files, written by sparsify).
+#define PI_KEY_INPUT_THRESHOLDS "powerinfer.input_thresholds"
+// The threshold of the output matrix's input, f32 (< 0 or absent: dense).
+#define PI_KEY_OUTPUT_THRESHOLD "powerinfer.output_threshold"
+// Any architecture: a threshold per weight tensor, by name (string array) and value (f32 array,
+// the same length; < 0: dense). Expert stacks (MUL_MAT_ID) take one threshold for every expert.
+#define PI_KEY_TENSOR_THRESHOLD_NAMES  "powerinfer.tensor_thresholds.names"
+#define PI_KEY_TENSOR_THRESHOLD_VALUES "powerinfer.tensor_thresholds.values"
+
 // ---- errors and logging (error.c) ----
 // Records the message for powerinfer_last_error() and returns status (for `return pi_fail(...)`).
 int32_t pi_fail(int32_t status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -132,9 +132,7 @@ static inline int hist_bin(float v) {
 
 // Each thread counts its share of the tokens (or of one token's elements) into a local
 // histogram and adds it in with atomics: the counts do not depend on the split.
-static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    struct pi_active_stat * stat = userdata;
-    const struct ggml_tensor * x = dst->src[0];
+void pi_histogram_add(const struct ggml_tensor * x, uint64_t * hist, int ith, int nth) {
     pthread_once(&g_log2_once, log2_table_init);
     const int64_t n = x->ne[0], T = x->ne[1], total = n * T;
     const int64_t i0 = total * ith / nth, i1 = total * (ith + 1) / nth;
@@ -145,8 +143,13 @@ static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * user
         for (; k < end; ++k) local[hist_bin(row[k])]++;
     }
     for (int b = 0; b < PI_HIST_BINS; ++b) {
-        if (local[b]) __atomic_fetch_add(&stat->hist[b], (uint64_t) local[b], __ATOMIC_RELAXED);
+        if (local[b]) __atomic_fetch_add(&hist[b], (uint64_t) local[b], __ATOMIC_RELAXED);
     }
+}
+
+static void histogram_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    struct pi_active_stat * stat = userdata;
+    pi_histogram_add(dst->src[0], stat->hist, ith, nth);
 }
 
 struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat) {

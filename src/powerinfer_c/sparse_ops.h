@@ -36,6 +36,10 @@ struct pi_active_stat {
 
 // Adds |x| of every element of x (F32) to stat->hist. Returns a tensor to expand into
 // the graph; nothing reads it.
+// Thread ith of nth adds its share of x's entries (F32 [n, T], rows contiguous) to hist
+// (PI_HIST_BINS counts of |x|, log-spaced; atomics: the counts do not depend on the split).
+void pi_histogram_add(const struct ggml_tensor * x, uint64_t * hist, int ith, int nth);
+
 struct ggml_tensor * pi_activation_histogram(struct ggml_context * ctx, struct ggml_tensor * x, struct pi_active_stat * stat);
 
 // An active list: I32 [PI_INDEX_LEN(n_ff)]. Element 0 is the number of active neurons n,

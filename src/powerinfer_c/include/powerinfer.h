@@ -569,6 +569,48 @@ POWERINFER_API void powerinfer_sampler_reset(struct powerinfer_sampler * smpl);
 POWERINFER_API int32_t powerinfer_sampler_probs(struct powerinfer_sampler * smpl, const float * logits, int32_t n_vocab,
                                                 float * probs);
 
+// ---- the ggml backend module: input sparsity inside libllama (docs/accel.md) ----
+// Any architecture libllama runs (llama-cpp-python's engine, or llama.cpp's tools) gets
+// input mode from a device of type ACCEL whose buffers hold the weights a sparsified GGUF
+// gives thresholds. Register it before the first model, arm it with the file, load the
+// model with libllama, disarm.
+enum powerinfer_accel_mode {
+    POWERINFER_ACCEL_OFF         = 0, // (disarmed) the module takes no weight
+    POWERINFER_ACCEL_SPARSE      = 1, // the file's thresholds: input-sparse products for batches up to the max
+    POWERINFER_ACCEL_PASSTHROUGH = 2, // the same weights, computed by ggml (measures the module's own cost)
+    POWERINFER_ACCEL_CALIBRATE   = 3, // every matmul weight with a column form, dense, histograms of |x| (no file)
+};
+struct powerinfer_accel_weight {
+    char     name[64];
+    bool     sparse;     // runs the input-sparse product (else ggml computes it here)
+    float    threshold;
+    int32_t  n_mats;     // 1, or the experts of a MUL_MAT_ID stack
+    int32_t  type;       // ggml type
+    int64_t  n_in, n_out;
+    uint64_t bytes;      // of the weight (its column copies as many again)
+    int64_t  n_active;   // kept input entries, summed over the runs
+    int64_t  n_total;    // entries considered
+};
+// Registers the module's device with ggml's registry (the libggml.so.0 libllama uses); idempotent.
+POWERINFER_API int32_t powerinfer_accel_register(void);
+POWERINFER_API bool powerinfer_accel_registered(void);
+// Arms the module for the next model libllama loads: mode SPARSE and PASSTHROUGH read the
+// thresholds of path (powerinfer.tensor_thresholds.*, or input mode's per-layer keys);
+// CALIBRATE takes no file (path may be NULL). Returns a tag (> 0) that the weights placed
+// while armed carry, or a negative status.
+POWERINFER_API int32_t powerinfer_accel_arm(const char * path, int32_t mode);
+POWERINFER_API void powerinfer_accel_disarm(void);
+// Tensor names the armed file gives thresholds.
+POWERINFER_API int32_t powerinfer_accel_rule_count(void);
+// The largest batch the product runs (0 to 32; larger batches run ggml's matmul). Default 32.
+POWERINFER_API int32_t powerinfer_accel_set_max_batch(int32_t n);
+// The weights placed under tag: fills out[0..cap) and returns how many there are.
+POWERINFER_API int32_t powerinfer_accel_weights(int32_t tag, struct powerinfer_accel_weight * out, int32_t cap);
+// CALIBRATE: the histogram of |x| at weight `name`'s input (n_bins counts; as powerinfer_input_histogram).
+POWERINFER_API int32_t powerinfer_accel_histogram(int32_t tag, const char * name, uint64_t * counts, int32_t n_bins,
+                                                  float * log10_min, float * log10_max);
+POWERINFER_API void powerinfer_accel_reset_stats(int32_t tag);
+
 // POWERINFER_CDEF_END
 
 #ifdef __cplusplus
