@@ -10,8 +10,9 @@ dequantization bit for bit. The product keeps x[j] when |x[j]| > tau and quantiz
 entries to 8 bits per block of 32 columns, or of 256 when every matrix is a K-quant (step
 d = amax / 127 over the kept entries of the block, q8 = round(x / d)). With w = a * q + b
 the weight (the copy's a, b and q), it sums per unit u of 16 or 32 columns
-    y = sum_u a_u * d * sum_{j in u, kept} q_j * q8_j  +  b_u * sum_{j in u, kept} x_j
-(blocks of 32: float scales per unit), or, with blocks of 256 (integer sums per unit,
+    y = sum_u a_u * d * sum_{j in u, kept} q_j * q8_j  +  b_u * d * sum_{j in u, kept} q8_j
+(blocks of 32: float scales per unit; the offsets meet the same 8-bit inputs as the
+weights, as in ggml's dot products), or, with blocks of 256 (integer sums per unit,
 folded per super-block, as ggml's K-quant dot products do)
     y = sum_j w_j * q8_j * d                 over the kept j.
 Two references:
@@ -106,7 +107,7 @@ def _check(out, x, tau, units, types):
     for t in range(x.shape[0]):
         # the operator's arithmetic, in float64
         terms_q = a64 * q * (q8[t] * dcol[t])[None, :]
-        terms_b = b64 * ((q8[t] * dcol[t]) if kblocks else xk[t])[None, :]
+        terms_b = b64 * (q8[t] * dcol[t])[None, :]
         ref = terms_q.sum(axis=1) + terms_b.sum(axis=1)
         mag = np.abs(terms_q).sum(axis=1) + np.abs(terms_b).sum(axis=1)
         err = np.abs(out["y"][t] - ref)
@@ -114,7 +115,7 @@ def _check(out, x, tau, units, types):
         assert (err <= bound).all(), f"token {t}: max err {err.max()} vs bound at worst {(err - bound).max()}"
         # against the plain product over the kept entries: the input's quantization
         plain = (w.astype(np.float64) * xk[t][None, :]).sum(axis=1)
-        qerr = ((np.abs(a64 * q) + (np.abs(b64) if kblocks else 0)) * (dcol[t] / 2 * keep[t])[None, :]).sum(axis=1)
+        qerr = (np.abs(a64 * q + b64) * (dcol[t] / 2 * keep[t])[None, :]).sum(axis=1)
         assert (np.abs(out["y"][t] - plain) <= qerr + bound).all()
     assert np.array_equal(out["y"], out["y_alone"]), "a token's result depends on the rest of its batch"
     assert np.array_equal(out["y"], out["y_scalar"]), "the SIMD and scalar kernels differ"

@@ -64,6 +64,7 @@ def weights(tag: int) -> List[Dict[str, Any]]:
         {
             "name": ffi.string(w.name).decode(),
             "sparse": bool(w.sparse),
+            "calibrated": bool(w.calibrated),
             "threshold": float(w.threshold),
             "n_mats": int(w.n_mats),
             "type": int(w.type),
@@ -102,3 +103,8 @@ def sparse_stats(tag: int) -> Dict[str, Any]:
         "active": active / total if total else None,
         "n_sparse_weights": len(ws),
     }
+
+
+def core_builds(arch: str) -> bool:
+    """Whether the core builds a graph for this architecture (else libllama runs it)."""
+    return bool(lib.powerinfer_arch_supported(arch.encode()))

@@ -34,9 +34,11 @@ its text: give text of domains that no training or calibration step saw, and nam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,10 +46,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._core import Context, Model
+from .._core import Context, Model, accel
 from .._core.bindings import kernel_level
 from .._machine import best_alternating, cpu_model, timed
 from ..formats.gguf_io import open_gguf, tensor_f32
+from . import libllama
 from .common import PipelineError, Progress, files, run_cli, tokenize_texts, write_text
 
 MODES = ("dense", "gate", "predictor", "input")
@@ -201,6 +204,41 @@ class Reference:
         self.close()
 
 
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class LibllamaScorer:
+    """One mode of a file whose architecture the core does not build, on llama-cpp-python's
+    engine: input mode with the module (docs/accel.md) armed, dense without it. logp(passage)
+    as Reference's, and the kept share of the module's sparse products per layer over that
+    passage: [n_layer, 2] (kept, considered)."""
+
+    def __init__(self, path: str, mode: str, n_layer: int, n_ctx: int, threads: int, batch: int):
+        if mode not in ("dense", "input"):
+            raise PipelineError(f"mode {mode!r}: an architecture the core does not build runs dense or input "
+                                "(through libllama and the sparse module)")
+        self.n_layer = n_layer
+        arm = accel.armed(path) if mode == "input" else contextlib.nullcontext((None, 0))
+        with arm as (tag, n):
+            self.ref = Reference(path, n_ctx, threads, batch)
+        self.tag = tag if n else None
+
+    def logp_counts(self, passage: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        if self.tag is not None:
+            accel.reset_stats(self.tag)
+        logp = self.ref.logp(passage)
+        counts = np.zeros((self.n_layer, 2))
+        if self.tag is not None:
+            for w in accel.weights(self.tag):
+                m = _LAYER.match(w["name"])
+                if w["sparse"] and m and int(m.group(1)) < self.n_layer:
+                    counts[int(m.group(1))] += (w["n_active"], w["n_total"])
+        return logp, counts
+
+    def close(self) -> None:
+        self.ref.close()
+
+
 def passage_logp(ctx: Context, passage: Sequence[int], batch: int = 1) -> np.ndarray:
     """log-softmax of ctx's logits at every position of the passage but its last: its first
     token alone, then the rest batch tokens per decode (teacher-forced). Up to the context's
@@ -336,6 +374,8 @@ def speed(path: str, reference: str, modes: Sequence[str], prompt: Sequence[int]
 
 
 def default_modes(path: str) -> List[str]:
+    if not libllama.native(path):  # libllama's engine: dense, and input mode through the module
+        return ["dense"] + (["input"] if open_gguf(path).get_field(libllama.KEY_NAMES) is not None else [])
     with Model(path) as m:
         own = m.sparse_mode()
     return ["dense"] + ([own] if own in MODES and own != "dense" else [])
@@ -390,12 +430,22 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
     done = 0
     quality: Dict[str, Dict[str, Any]] = {}
     with_ref = reference is not None
-    models = {m: Model(path, sparse_mode=m) for m in modes}
-    counts = {m: np.zeros((models[m].n_layer(), 2)) for m in modes}
+    n_ctx = max(len(p) for ps in texts.values() for p in ps) + 8
+    on_core = libllama.native(path)
+    models: Dict[str, Any] = {}
+    counts: Dict[str, np.ndarray] = {}
     ref = None
     try:
+        for m in modes:
+            if on_core:
+                models[m] = Model(path, sparse_mode=m)
+                counts[m] = np.zeros((models[m].n_layer(), 2))
+            else:  # libllama's engine, input mode through the module
+                n_layer = libllama.n_layer(path)
+                models[m] = LibllamaScorer(path, m, n_layer, n_ctx, threads, batch)
+                counts[m] = np.zeros((n_layer, 2))
         if with_ref:
-            ref = Reference(reference, max(len(p) for ps in texts.values() for p in ps) + 8, threads, batch)
+            ref = Reference(reference, n_ctx, threads, batch)
         for name, ps in texts.items():
             scores = {e: Score() for e in engines}
             for p in ps:
@@ -405,7 +455,7 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
                     scores["reference"].add(ref_lp, targets, None)
                     done += len(targets)
                 for m in modes:
-                    logp, c = model_logp(models[m], p, threads, batch)
+                    logp, c = model_logp(models[m], p, threads, batch) if on_core else models[m].logp_counts(p)
                     scores[m].add(logp, targets, ref_lp)
                     counts[m] += c
                     done += len(targets)
@@ -421,7 +471,8 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
     bar.close()
     all_passages = [p for ps in texts.values() for p in ps]
     # over the positions that were scored: each passage's inputs, its last token only a target
-    act = activity(path, [p[:-1] for p in all_passages], threads, with_predictor="predictor" in modes)
+    act = (activity(path, [p[:-1] for p in all_passages], threads, with_predictor="predictor" in modes) if on_core
+           else {"fired": []})  # (the FFN's own activity needs the core's graph)
     card: Dict[str, Any] = {
         "model": os.path.abspath(path), "reference": os.path.abspath(reference) if reference else None,
         "domains": {name: {"file": os.path.abspath(f), "passages": len(texts[name]),

@@ -46,6 +46,7 @@ import numpy as np
 from .._core import Context, Model
 from .._core.bindings import lib
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
+from . import libllama
 from .calibrate import decode_calibration
 from .common import PipelineError, check_output, files, read_corpus, run_cli, same_file, token_chunks
 from .evaluate import passage_logp
@@ -462,6 +463,8 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
     (a previous run's results of those names) skip the calibration and the sensitivity
     measurement, so one of each serves several sparsities."""
     check_arguments(model_path, out, sparsity, corpus, samples, n_tokens, allocation, threads)
+    if not libllama.native(model_path):
+        return sparsify_libllama(model_path, out, sparsity, corpus, samples, n_tokens, allocation, threads, progress)
     reader = open_gguf(model_path)
     arch = str(reader.get_field("general.architecture").contents())
     block_count = reader.get_field(f"{arch}.block_count")
@@ -498,6 +501,36 @@ def sparsify(model_path: str, out: str, sparsity: float, corpus: Sequence[str] =
             "seconds": time.time() - t0}
 
 
+def allocate_tensors(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray, sparsity: float,
+                     method: str) -> np.ndarray:
+    """Per weight tensor (counts [n, bins], nbytes [n]), the share of its input entries
+    dropped: `sparsity` of all their bytes (allocate, each tensor a row of one input)."""
+    return allocate(counts[:, None, :], lo, hi, nbytes[:, None], sparsity, method)[:, 0]
+
+
+def sparsify_libllama(model_path: str, out: str, sparsity: float, corpus: Sequence[str], samples: int, n_tokens: int,
+                      allocation: str, threads: int, progress: bool = True) -> Dict:
+    """sparsify() for an architecture the core does not build (pipeline/libllama.py): a
+    threshold per weight tensor, from the module's histograms of its input; the measured
+    allocation needs the core's graph, so it is the greedy one there."""
+    t0 = time.time()
+    method = "greedy" if allocation == "measured" else allocation
+    label = method + (" (measured needs the core's graph: libllama runs this architecture)" if allocation == "measured" else "")
+    if sparsity == 0.0:
+        names, taus, used, s, nbytes = [], [], 0, np.zeros(0), np.zeros(0)
+    else:
+        texts = calibration_texts(corpus, samples, model_path, threads)
+        names, counts, lo, hi, nbytes, used = libllama.tensor_histograms(model_path, texts, n_tokens, threads,
+                                                                         progress=progress)
+        s = allocate_tensors(counts, lo, hi, nbytes, sparsity, method)
+        taus = [threshold_for(counts[k], lo, hi, s[k]) if s[k] > 0 else -1.0 for k in range(len(names))]
+    libllama.write_tensor_thresholds(model_path, out, names, taus, {KEY_INPUT_SPARSITY: sparsity},
+                                     {KEY_INPUT_ALLOCATION: label}, progress=progress)
+    return {"arch": str(open_gguf(model_path).get_field("general.architecture").contents()), "tokens": used,
+            "names": names, "sparsity": s, "thresholds": np.array(taus, dtype=np.float32), "bytes": nbytes,
+            "allocation": label, "candidates": {}, "seconds": time.time() - t0}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import evaluate
 
@@ -532,9 +565,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    ["input"], prefix="card-")
         r = sparsify(a.model, a.out, a.sparsity, a.corpus, samples, a.n_tokens, a.allocation, a.threads)
         s, b = r["sparsity"], r["bytes"]
-        # the layers' inputs by kind, then the output matrix (row n_layer, input 0: not a q/k/v)
-        per_input = ", ".join(f"{name} {np.average(s[:-1, i], weights=b[:-1, i]):.0%}" for i, name in enumerate(INPUTS))
-        per_input += f", output matrix {s[-1, 0]:.0%}"
+        if "names" in r:  # per weight tensor (libllama's architectures): by kind of tensor
+            kinds: Dict[str, List[int]] = {}
+            for k, name in enumerate(r["names"]):
+                kinds.setdefault(name.split(".", 2)[-1] if name.startswith("blk.") else name, []).append(k)
+            per_input = ", ".join(f"{kind} {np.average(s[ks], weights=b[ks]):.0%}" for kind, ks in kinds.items()) or "none"
+        else:
+            # the layers' inputs by kind, then the output matrix (row n_layer, input 0: not a q/k/v)
+            per_input = ", ".join(f"{name} {np.average(s[:-1, i], weights=b[:-1, i]):.0%}" for i, name in enumerate(INPUTS))
+            per_input += f", output matrix {s[-1, 0]:.0%}"
         print(f"sparsify: {r['tokens']} calibration tokens, {r['allocation']} allocation: {per_input} of each input's entries "
               f"dropped ({a.sparsity:.0%} of the bytes) in {r['seconds']:.0f} s; wrote {a.out}", file=sys.stderr)
         if a.no_card:

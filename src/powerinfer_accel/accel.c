@@ -275,7 +275,7 @@ static size_t weight_alloc_size(const struct ggml_tensor * t) {
     pthread_mutex_lock(&g_lock);
     float thr;
     struct pi_colmat cm;
-    if (g_mode != POWERINFER_ACCEL_OFF && g_mode != POWERINFER_ACCEL_PASSTHROUGH && wants_sparse(t, &thr)) {
+    if (g_mode == POWERINFER_ACCEL_SPARSE && wants_sparse(t, &thr)) {
         const size_t b = colmat_bytes(t, &cm);
         if (b) n += align_up(b) * (size_t) t->ne[2];
     }
@@ -289,8 +289,8 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
     pthread_mutex_lock(&g_lock);
     float thr = 0.0f;
     struct pi_colmat cm0;
-    const bool sparse = g_mode != POWERINFER_ACCEL_OFF && g_mode != POWERINFER_ACCEL_PASSTHROUGH && wants_sparse(t, &thr) &&
-                        colmat_bytes(t, &cm0) > 0;
+    const bool sparse = g_mode == POWERINFER_ACCEL_SPARSE && wants_sparse(t, &thr) && colmat_bytes(t, &cm0) > 0;
+    const bool calibrated = g_mode == POWERINFER_ACCEL_CALIBRATE && colmat_bytes(t, &cm0) > 0;
     struct accel_weight * w = calloc(1, sizeof(*w));
     if (!w) {
         pthread_mutex_unlock(&g_lock);
@@ -302,11 +302,15 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
     w->mode   = g_mode;
     w->tensor = t;
     w->stat.threshold = thr;
+    w->n_mats = (int32_t) t->ne[2];
+    if (calibrated && !(w->hist = calloc(PI_HIST_BINS, sizeof(uint64_t)))) {
+        free(w);
+        pthread_mutex_unlock(&g_lock);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
     if (sparse) {
-        w->n_mats = (int32_t) t->ne[2];
-        w->cm     = calloc((size_t) w->n_mats, sizeof(*w->cm));
-        if (g_mode == POWERINFER_ACCEL_CALIBRATE) w->hist = calloc(PI_HIST_BINS, sizeof(uint64_t));
-        if (!w->cm || (g_mode == POWERINFER_ACCEL_CALIBRATE && !w->hist)) {
+        w->cm = calloc((size_t) w->n_mats, sizeof(*w->cm));
+        if (!w->cm) {
             free(w->cm);
             free(w->hist);
             free(w);
@@ -477,6 +481,9 @@ struct accel_backend {
     struct accel_swap *   swapped;    // nodes turned into the custom op during a compute
     int32_t               n_swapped, cap_swapped;
     int32_t               sync[2];    // the MoE loop's barrier
+    struct ggml_context * part_ctx;   // calibration: a graph of one run of the split's nodes
+    struct ggml_cgraph *  part;
+    int                   part_size;
 };
 
 static void spin_barrier(int32_t * sync, int nth) {
@@ -543,8 +550,7 @@ static bool runs_sparse(const struct ggml_tensor * node) {
     if (!w || !w->sparse) return false;
     const struct ggml_tensor * x = node->src[1];
     if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32) return false;
-    // calibration sees every batch (in slices); sparse runs batches up to the max, ggml the rest
-    const int64_t max_batch = w->hist ? INT64_MAX : __atomic_load_n(&g_max_batch, __ATOMIC_RELAXED);
+    const int64_t max_batch = __atomic_load_n(&g_max_batch, __ATOMIC_RELAXED);
     if (node->op == GGML_OP_MUL_MAT) {
         return w->n_mats == 1 && x->ne[2] == 1 && x->ne[3] == 1 && x->ne[1] <= max_batch && x->ne[1] >= 1 &&
                node->nb[0] == sizeof(float) && node->nb[1] == (size_t) node->ne[0] * sizeof(float);
@@ -570,19 +576,7 @@ static void fill_once(struct accel_weight * w, int ith, int nth) {
 }
 
 static void run_mul_mat(struct accel_backend * be, struct ggml_tensor * node, struct accel_weight * w, int ith, int nth) {
-    struct pi_input_op * op = &be->ops[w->id][0];
-    const struct ggml_tensor * x = node->src[1];
-    if (x->ne[1] <= PI_COLMAT_MAX_TOKENS) {
-        pi_input_sparse_run(op, x, (float *) node->data, be->work, ith, nth);
-        return;
-    }
-    for (int64_t t0 = 0; t0 < x->ne[1]; t0 += PI_COLMAT_MAX_TOKENS) {  // calibration's long batches
-        struct ggml_tensor xs = *x;
-        xs.ne[1] = x->ne[1] - t0 < PI_COLMAT_MAX_TOKENS ? x->ne[1] - t0 : PI_COLMAT_MAX_TOKENS;
-        xs.data  = (char *) x->data + t0 * x->nb[1];
-        pi_input_sparse_run(op, &xs, (float *) ((char *) node->data + t0 * node->nb[1]), be->work, ith, nth);
-        spin_barrier(be->sync, nth);
-    }
+    pi_input_sparse_run(&be->ops[w->id][0], node->src[1], (float *) node->data, be->work, ith, nth);
 }
 
 // MUL_MAT_ID: per expert, its routed (slot, token) inputs gathered into pieces of at most
@@ -653,13 +647,6 @@ static void accel_custom(struct ggml_tensor * node, int ith, int nth, void * use
     struct accel_backend * be = userdata;
     struct accel_weight * w = node->src[0]->extra;
     fill_once(w, ith, nth);
-    if (w->hist) {
-        const struct ggml_tensor * x = node->src[1];
-        struct ggml_tensor flat = *x;  // every token's input, as [n_in, rows]
-        flat.ne[1] = x->ne[1] * x->ne[2] * x->ne[3];
-        flat.ne[2] = flat.ne[3] = 1;
-        if (node->op == GGML_OP_CUSTOM && ggml_is_contiguous(x)) pi_histogram_add(&flat, w->hist, ith, nth);
-    }
     if (w->n_mats == 1) {
         run_mul_mat(be, node, w, ith, nth);
     } else {
@@ -684,7 +671,7 @@ static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
     struct pi_input_op * ops = ops_of(be, w);
     if (!ops) return false;
     for (int32_t e = 0; e < w->n_mats; ++e) ops[e].n_threads = be->n_threads;
-    const int64_t T = node->op == GGML_OP_MUL_MAT && node->src[1]->ne[1] < PI_COLMAT_MAX_TOKENS ? node->src[1]->ne[1] : PI_COLMAT_MAX_TOKENS;
+    const int64_t T = node->op == GGML_OP_MUL_MAT ? node->src[1]->ne[1] : PI_COLMAT_MAX_TOKENS;
     size_t need = pi_input_sparse_work_size(&w->cm[0], T, be->n_threads);
     if (node->op == GGML_OP_MUL_MAT_ID) need = moe_layout_of(w, node, need).total;
     if (!ensure_work(be, need)) return false;
@@ -704,10 +691,52 @@ static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
     return true;
 }
 
+static bool calibrating(const struct ggml_tensor * node) {
+    if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return false;
+    const struct ggml_tensor * wt = node->src[0];
+    return in_our_buffer(wt) && !wt->view_src && wt->extra && ((const struct accel_weight *) wt->extra)->hist &&
+           node->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(node->src[1]);
+}
+
+// Calibration: the split in runs that end before each calibrated matmul, whose input is then
+// complete and counted; ggml computes every node (the dense model, exactly).
+static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml_cgraph * g) {
+    const int n = ggml_graph_n_nodes(g);
+    if (!be->part || be->part_size < n) {
+        ggml_free(be->part_ctx);
+        struct ggml_init_params ip = { .mem_size = ggml_graph_overhead_custom((size_t) n, false), .mem_buffer = NULL, .no_alloc = true };
+        be->part_ctx  = ggml_init(ip);
+        be->part      = be->part_ctx ? ggml_new_graph_custom(be->part_ctx, (size_t) n, false) : NULL;
+        be->part_size = be->part ? n : 0;
+        if (!be->part) return GGML_STATUS_ALLOC_FAILED;
+    }
+    for (int start = 0, i = 0; i <= n; ++i) {
+        struct ggml_tensor * node = i < n ? ggml_graph_node(g, i) : NULL;
+        if (node && !calibrating(node)) continue;
+        if (i > start) {
+            ggml_graph_clear(be->part);
+            for (int k = start; k < i; ++k) ggml_graph_add_node(be->part, ggml_graph_node(g, k));
+            const enum ggml_status st = ggml_backend_graph_compute(be->cpu, be->part);
+            if (st != GGML_STATUS_SUCCESS) return st;
+        }
+        if (node) {
+            struct ggml_tensor flat = *node->src[1];  // every token's input, as [n_in, rows]
+            flat.ne[1] = flat.ne[1] * flat.ne[2] * flat.ne[3];
+            flat.ne[2] = flat.ne[3] = 1;
+            pi_histogram_add(&flat, ((struct accel_weight *) node->src[0]->extra)->hist, 0, 1);
+        }
+        start = i;
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
 static enum ggml_status accel_graph_compute(ggml_backend_t backend, struct ggml_cgraph * g) {
     struct accel_backend * be = backend->context;
     be->n_swapped = 0;
     const int n = ggml_graph_n_nodes(g);
+    for (int i = 0; i < n; ++i) {
+        if (calibrating(ggml_graph_node(g, i))) return calibrate_compute(be, g);
+    }
     for (int i = 0; i < n; ++i) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if ((node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_MUL_MAT_ID) && runs_sparse(node)) swap_in(be, node);
@@ -732,6 +761,7 @@ static void accel_backend_free(ggml_backend_t backend) {
     free(be->work);
     free(be->swapped);
     ggml_free(be->tmpl_ctx);
+    ggml_free(be->part_ctx);
     free(be);
     free(backend);
 }
@@ -980,6 +1010,7 @@ int32_t powerinfer_accel_weights(int32_t tag, struct powerinfer_accel_weight * o
             memset(o, 0, sizeof(*o));
             snprintf(o->name, sizeof(o->name), "%s", w->name);
             o->sparse    = w->sparse;
+            o->calibrated = w->hist != NULL;
             o->threshold = w->stat.threshold;
             o->n_mats    = w->n_mats;
             o->n_in      = w->tensor->ne[0];

@@ -110,20 +110,29 @@ static const char * act_name(enum pi_ffn_act act) {
     }
 }
 
+// The architectures the core builds a graph for (every other runs through libllama).
+static const struct {
+    const char * name;
+    enum pi_arch arch;
+} k_archs[] = { { "llama", PI_ARCH_LLAMA }, { "qwen2", PI_ARCH_QWEN2 }, { "bamboo", PI_ARCH_BAMBOO }, { "falcon", PI_ARCH_FALCON } };
+
+bool powerinfer_arch_supported(const char * arch) {
+    for (size_t i = 0; arch && i < sizeof(k_archs) / sizeof(k_archs[0]); ++i) {
+        if (strcmp(arch, k_archs[i].name) == 0) return true;
+    }
+    return false;
+}
+
 int32_t pi_model_load_hparams(struct powerinfer_model * model) {
     const char * arch = get_str(model, "general.architecture");
     if (!arch) {
         return pi_fail(POWERINFER_ERR_FORMAT, "metadata key 'general.architecture' is missing");
     }
     snprintf(model->arch_name, sizeof(model->arch_name), "%s", arch);
-    if (strcmp(arch, "llama") == 0) {
-        model->arch = PI_ARCH_LLAMA;
-    } else if (strcmp(arch, "qwen2") == 0) {
-        model->arch = PI_ARCH_QWEN2;
-    } else if (strcmp(arch, "bamboo") == 0) {
-        model->arch = PI_ARCH_BAMBOO;
-    } else if (strcmp(arch, "falcon") == 0) {
-        model->arch = PI_ARCH_FALCON;
+    size_t a = 0;
+    while (a < sizeof(k_archs) / sizeof(k_archs[0]) && strcmp(arch, k_archs[a].name) != 0) ++a;
+    if (a < sizeof(k_archs) / sizeof(k_archs[0])) {
+        model->arch = k_archs[a].arch;
     } else {
         return pi_fail(POWERINFER_ERR_UNSUPPORTED,
                        "model architecture '%s' is not implemented by the PowerInfer-Py core (supported: llama, qwen2, bamboo, falcon)",

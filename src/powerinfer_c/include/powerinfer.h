@@ -272,6 +272,9 @@ POWERINFER_API struct powerinfer_model * powerinfer_model_retain(struct powerinf
 POWERINFER_API void powerinfer_model_free(struct powerinfer_model * model);
 
 POWERINFER_API const char * powerinfer_model_arch(const struct powerinfer_model * model);
+// Whether the core builds a graph for this architecture ("llama", "qwen2", "bamboo", "falcon");
+// the others run on libllama (the fallback engine), sparse through the module (docs/accel.md).
+POWERINFER_API bool powerinfer_arch_supported(const char * arch);
 POWERINFER_API int32_t powerinfer_model_n_vocab(const struct powerinfer_model * model);
 POWERINFER_API int32_t powerinfer_model_n_ctx_train(const struct powerinfer_model * model);
 POWERINFER_API int32_t powerinfer_model_n_embd(const struct powerinfer_model * model);
@@ -583,6 +586,7 @@ enum powerinfer_accel_mode {
 struct powerinfer_accel_weight {
     char     name[64];
     bool     sparse;     // runs the input-sparse product (else ggml computes it here)
+    bool     calibrated; // CALIBRATE: its input's histogram is counted
     float    threshold;
     int32_t  n_mats;     // 1, or the experts of a MUL_MAT_ID stack
     int32_t  type;       // ggml type
