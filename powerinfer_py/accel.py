@@ -31,7 +31,7 @@ def enable() -> None:
     """Registers the module and makes every later llama_cpp model load arm it with the
     thresholds of its own file (idempotent)."""
     _accel.register()
-    mod = upstream.module()
+    mod = upstream.module("llama_cpp")  # the ctypes functions, which llama_cpp._internals calls
     with _LOCK:
         load = mod.llama_model_load_from_file
         if getattr(load, "__powerinfer_accel__", False):
@@ -51,7 +51,7 @@ def enable() -> None:
 
 
 def enabled() -> bool:
-    return bool(getattr(upstream.module().llama_model_load_from_file, "__powerinfer_accel__", False))
+    return bool(getattr(upstream.module("llama_cpp").llama_model_load_from_file, "__powerinfer_accel__", False))
 
 
 def tag_of(llm: Any) -> Optional[int]:

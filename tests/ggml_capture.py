@@ -71,11 +71,11 @@ class Node:
 
 
 def capture(model_path: str, steps: Sequence[Sequence[int]], want: Callable[[str], bool], n_threads: int = 2,
-            n_ctx: int = 256) -> List[Node]:
+            n_ctx: int = 256, before_free: Optional[Callable[[], None]] = None) -> List[Node]:
     """Decodes `steps` (each a batch of tokens, positions following on) with llama-cpp-python's
     libllama, and returns every MUL_MAT / MUL_MAT_ID node whose weight name `want` accepts,
     with its input and result. The module, when registered and armed, places the weights as
-    it does in any load."""
+    it does in any load. before_free runs while the model is still loaded."""
     import llama_cpp
 
     base = _ggml_base()
@@ -125,6 +125,8 @@ def capture(model_path: str, steps: Sequence[Sequence[int]], want: Callable[[str
             finally:
                 llama_cpp.llama_batch_free(batch)
             pos += len(s)
+        if before_free is not None:
+            before_free()
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)

@@ -909,6 +909,7 @@ static bool accel_dev_supports_op(ggml_backend_dev_t dev, const struct ggml_tens
             break;
     }
     if (placement_query(op)) return accept_weight(op);
+    if (op->op == GGML_OP_FLASH_ATTN_EXT) return false;  // with its layer on the CPU (llama keeps flash attention on then)
     for (int i = 0; i < GGML_MAX_SRC; ++i) {  // weights of others' buffers (CPU_REPACK, a GPU's) are theirs
         const struct ggml_tensor * s = op->src[i];
         if (!s) continue;

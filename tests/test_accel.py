@@ -1,0 +1,194 @@
+"""The sparse module inside libllama (src/powerinfer_accel/, docs/accel.md), on the real
+SmolLM2 (llama arch, Q4_1, tied output) run by llama-cpp-python's own engine.
+
+Each matmul the module runs is read back inside libllama (tests/ggml_capture.py: the
+context's eval callback) and compared with numpy on the node's own input: the product
+over the entries |x| > threshold of each token, with the weights gguf dequantizes. The
+kernel quantizes the kept entries to 8 bits per block (32 columns, 256 for K-quants; step
+d = amax / 127) as ggml's dot products do, so a row may differ from the exact product by
+at most sum_j |w_j| * d_j / 2 over its kept entries (plus float rounding): the bound the
+tests use, row by row. Dropping the wrong entries would cost the difference between the
+kept and the full products, which the tests show is far above that bound."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import ggml_capture
+from powerinfer_py._core import accel
+from powerinfer_py.pipeline import libllama
+from powerinfer_py.pipeline.sparsify import INPUT_TENSORS, INPUTS, sparsify_libllama, write_sparse_model
+
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+TEXT = ("The river rose in the spring and the farmers moved their sheep to the hills. "
+        "In the town the bakers opened before dawn, and the smell of bread filled the streets. ") * 60
+
+
+@pytest.fixture(scope="module")
+def sparse40(smollm2_path, tmp_path_factory):
+    """SmolLM2 sparsified through libllama (the module's calibration, the per-tensor greedy
+    allocation) at 40% of the bytes, on 512 tokens of text."""
+    d = tmp_path_factory.mktemp("accel")
+    corpus = d / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = d / "smollm2.input40.gguf"
+    r = sparsify_libllama(smollm2_path, str(out), 0.4, [str(corpus)], 0, 512, "greedy", 2, progress=False)
+    return str(out), r
+
+
+def _thresholds(path):
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    names = r.get_field(libllama.KEY_NAMES).contents()
+    return dict(zip(names, r.get_field(libllama.KEY_VALUES).contents())), {t.name: t.tensor_type.name for t in r.tensors}
+
+
+def _bound(w, x, tau, block):
+    """Per token and row, the most the 8-bit quantization of the kept entries can move the
+    product: sum_j |w_j| * d_j / 2, d = amax / 127 of the kept entries of j's block."""
+    xk = np.where(np.abs(x) > tau, np.abs(x), 0.0)
+    T, n = xk.shape
+    d = np.repeat(xk.reshape(T, n // block, block).max(axis=2) / 127.0, block, axis=1)
+    return (d / 2 * (xk > 0)) @ np.abs(w).T
+
+
+def test_calibrated_file_and_its_products_match_numpy(smollm2_path, sparse40):
+    path, r = sparse40
+    thr, types = _thresholds(path)
+    # the allocation spent 40% of the calibrated weights' bytes
+    s, nb = r["sparsity"], r["bytes"]
+    assert (s * nb).sum() / nb.sum() == pytest.approx(0.4, abs=1e-6)
+    assert set(r["names"]) == set(thr) and len(thr) > 100
+    sparse = {n for n, t in thr.items() if t >= 0}
+    assert sparse and any(n.endswith("ffn_down.weight") for n in sparse)
+    with accel.armed(path) as (tag, n_rules):
+        assert n_rules == len(sparse)
+        # a prompt of 5 (a batch the sparse path takes), then single tokens
+        placed = []
+        nodes = ggml_capture.capture(path, [[1, 2, 3, 4, 5], [6], [7]], lambda name: name in sparse,
+                                     before_free=lambda: placed.extend(accel.weights(tag)))
+    assert {w["name"] for w in placed if w["sparse"]} == sparse
+    assert len(nodes) >= 3 * len(sparse) - 3  # every sparse weight, every step (the tied head once per step)
+    deq = ggml_capture.dequantized(smollm2_path)
+    margins = []
+    for nd in nodes:
+        w = deq(nd.weight).astype(np.float64)
+        x = nd.x.reshape(-1, nd.x.shape[-1]).astype(np.float64)
+        y = nd.y.reshape(-1, nd.y.shape[-1]).astype(np.float64)
+        tau = float(thr[nd.weight])
+        ref = ggml_capture.kept_product(w, x, tau)
+        bound = _bound(w, x, tau, 256 if types[nd.weight] in K_QUANTS else 32)
+        err = np.abs(y - ref)
+        assert (err <= bound + 1e-5 * np.abs(ref) + 1e-6).all(), (nd.weight, float((err - bound).max()))
+        margins.append(np.linalg.norm(ref - x @ w.T) / max(np.linalg.norm(y - ref), 1e-12))
+    # what dropping the entries changes is far above what the kernel's rounding does
+    assert np.median(margins) > 3, np.median(margins)
+
+
+def test_threshold_zero_matches_llama_cpp(smollm2_path, ref_llama, tmp_path):
+    """Every matmul through the module with nothing dropped: llama-cpp-python's greedy
+    tokens, and logits within the difference of two 8-bit input quantizations."""
+    import llama_cpp
+
+    names = [f"blk.{il}.{t}" for il in range(30) for kind in INPUTS for t in INPUT_TENSORS[kind]]
+    out = tmp_path / "t0.gguf"
+    libllama.write_tensor_thresholds(smollm2_path, str(out), names, [0.0] * len(names), {}, {}, progress=False)
+    with accel.armed(str(out)) as (tag, n):
+        llm = llama_cpp.Llama(model_path=str(out), n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+    try:
+        assert sum(w["sparse"] for w in accel.weights(tag)) == 30 * 7
+        ours = llm("The capital of France is", max_tokens=12, temperature=0.0)["choices"][0]["text"]
+        base = ref_llama("smollm2")("The capital of France is", max_tokens=12, temperature=0.0)["choices"][0]["text"]
+        assert ours == base
+        assert accel.sparse_stats(tag)["active"] > 0.99  # threshold 0 keeps every nonzero entry
+    finally:
+        llm.close()
+
+
+def test_passthrough_is_bit_exact_and_a_plain_file_places_nothing(smollm2_path, sparse40):
+    """The module's own cost measured apart from its kernels: the same weights placed, ggml's
+    kernels on them (SmolLM2's Q4_1 is not repacked by ggml), the same logits bit for bit."""
+    import llama_cpp
+
+    path, _ = sparse40
+    prompt = [1, 504, 3458, 282, 4649, 314]
+
+    def logits(mode):
+        if mode is None:
+            llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+            tag = None
+        else:
+            with accel.armed(path, mode) as (tag, _):
+                llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+        try:
+            llm.eval(prompt)
+            llm.eval([28])
+            return np.array(llm.scores[: len(prompt) + 1]), accel.weights(tag) if tag else []
+        finally:
+            llm.close()
+
+    base, _ = logits(None)
+    through, placed = logits(accel.PASSTHROUGH)
+    assert len(placed) > 100 and not any(w["sparse"] for w in placed)
+    assert np.array_equal(base, through)
+    # a file without thresholds (the original) arms nothing: nothing is placed
+    with accel.armed(smollm2_path) as (tag, n):
+        assert n == 0
+        llm = llama_cpp.Llama(model_path=smollm2_path, n_ctx=64, n_threads=2, verbose=False)
+        assert accel.weights(tag) == []
+        llm.close()
+
+
+def test_per_layer_table_of_core_files_maps_to_tensors(smollm2_path, tmp_path):
+    """A file of the core's input mode (four thresholds per layer, the output matrix's apart)
+    gives the module the same thresholds per tensor: the engines keep the same columns."""
+    import llama_cpp
+
+    rng = np.random.default_rng(0)
+    taus = rng.uniform(0.001, 0.05, size=(31, 4)).astype(np.float32)
+    taus[3, 1] = -1.0  # an input left dense
+    out = tmp_path / "core.gguf"
+    write_sparse_model(smollm2_path, str(out), taus, 0.3, "greedy", progress=False)
+    with accel.armed(str(out)) as (tag, _):
+        llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_threads=2, verbose=False)
+        got = {w["name"]: w["threshold"] for w in accel.weights(tag) if w["sparse"]}
+        llm.close()
+    want = {f"blk.{il}.{t}": float(taus[il, i]) for il in range(30) for i, kind in enumerate(INPUTS)
+            for t in INPUT_TENSORS[kind] if taus[il, i] >= 0 and t != "attn_qkv.weight"}
+    want["token_embd.weight"] = float(taus[30, 0])  # the tied output matrix
+    assert got == pytest.approx(want)
+
+
+def test_bad_files_are_refused(tmp_path, smollm2_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        with accel.armed(str(bad)):
+            pass
+    with pytest.raises(ValueError, match="no such|not a readable"):
+        with accel.armed(str(tmp_path / "missing.gguf")):
+            pass
+    with pytest.raises(ValueError, match="max batch"):
+        accel.set_max_batch(33)
+
+
+def test_enable_makes_plain_llama_cpp_sparse(sparse40):
+    """What a llama-cpp-python user types: one call, then their own llama_cpp.Llama."""
+    path, _ = sparse40
+    code = textwrap.dedent(f"""
+        import llama_cpp, powerinfer_py.accel as pa
+        pa.enable()
+        llm = llama_cpp.Llama(model_path={path!r}, n_ctx=64, n_threads=2, verbose=False)
+        llm("Once upon a time", max_tokens=8, temperature=0.0)
+        st = pa.sparse_stats(llm)
+        assert st["n_sparse_weights"] > 50 and 0.2 < st["active"] < 0.95, st
+        print("ok", round(st["active"], 3))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
