@@ -123,6 +123,18 @@ bool powerinfer_arch_supported(const char * arch) {
     return false;
 }
 
+int32_t powerinfer_model_arch_of_file(const char * path) {
+    struct gguf_init_params gp = { .no_alloc = true, .ctx = NULL };
+    struct gguf_context * g = path ? gguf_init_from_file(path, gp) : NULL;
+    if (!g) return pi_fail(POWERINFER_ERR_FORMAT, "%s: not a readable GGUF file", path ? path : "(null)");
+    const int64_t k = gguf_find_key(g, "general.architecture");
+    const int32_t r = k >= 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_STRING
+                          ? (powerinfer_arch_supported(gguf_get_val_str(g, k)) ? 1 : 0)
+                          : pi_fail(POWERINFER_ERR_FORMAT, "%s: metadata key 'general.architecture' is missing", path);
+    gguf_free(g);
+    return r;
+}
+
 int32_t pi_model_load_hparams(struct powerinfer_model * model) {
     const char * arch = get_str(model, "general.architecture");
     if (!arch) {

@@ -275,6 +275,9 @@ POWERINFER_API const char * powerinfer_model_arch(const struct powerinfer_model 
 // Whether the core builds a graph for this architecture ("llama", "qwen2", "bamboo", "falcon");
 // the others run on libllama (the fallback engine), sparse through the module (docs/accel.md).
 POWERINFER_API bool powerinfer_arch_supported(const char * arch);
+// 1 when the core builds the file's architecture, 0 when it does not (libllama runs it), or a
+// negative status for a file that is not a readable GGUF.
+POWERINFER_API int32_t powerinfer_model_arch_of_file(const char * path);
 POWERINFER_API int32_t powerinfer_model_n_vocab(const struct powerinfer_model * model);
 POWERINFER_API int32_t powerinfer_model_n_ctx_train(const struct powerinfer_model * model);
 POWERINFER_API int32_t powerinfer_model_n_embd(const struct powerinfer_model * model);

@@ -1,5 +1,6 @@
 // main.c - the `main` CLI: text generation with llama.cpp's usual flags, a thin
 // consumer of powerinfer.h.
+#include "llama.h"
 #include "powerinfer.h"
 
 #include <errno.h>
@@ -400,6 +401,146 @@ static void print_piece(const struct powerinfer_model * model, powerinfer_token 
     }
 }
 
+// ---- an architecture the core does not build: libllama's engine, sparse through the module ----
+// (docs/accel.md). The same flags mean the same; those of the core's own features (the
+// VRAM budget, its placement, RPC, drafts) are refused before anything loads.
+static int run_on_libllama(const struct cli_args * a, const char * prompt) {
+    if (a->vram_budget > 0.0f || a->rpc_servers || a->model_draft || a->n_gpu_layers > 0) {
+        fprintf(stderr, "error: %s runs on libllama's engine (an architecture the core does not build): "
+                        "--vram-budget, --rpc, -md and -ngl need the core's\n", a->model);
+        return 1;
+    }
+    const bool sparse = a->sparse_mode == POWERINFER_SPARSE_AUTO || a->sparse_mode == POWERINFER_SPARSE_INPUT;
+    if (!sparse && a->sparse_mode != POWERINFER_SPARSE_DENSE) {
+        fprintf(stderr, "error: %s runs on libllama's engine, in input or dense mode only\n", a->model);
+        return 1;
+    }
+    llama_backend_init();
+    int32_t tag = 0;
+    if (sparse) {
+        if (powerinfer_accel_register() < 0 || (tag = powerinfer_accel_arm(a->model, POWERINFER_ACCEL_SPARSE)) < 0) {
+            fprintf(stderr, "error: %s\n", powerinfer_last_error());
+            return 1;
+        }
+    }
+    const double t0 = now_ms();
+    struct llama_model_params mp = llama_model_default_params();
+    struct llama_model * model = llama_model_load_from_file(a->model, mp);
+    powerinfer_accel_disarm();
+    if (!model) {
+        fprintf(stderr, "error: libllama could not load %s either\n", a->model);
+        return 1;
+    }
+    const double t_load = now_ms() - t0;
+    const struct llama_vocab * vocab = llama_model_get_vocab(model);
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) a->n_ctx;
+    cp.n_batch = cp.n_ubatch = (uint32_t) a->n_batch;
+    cp.n_threads = a->n_threads > 0 ? a->n_threads : cp.n_threads;
+    cp.n_threads_batch = a->n_threads_batch > 0 ? a->n_threads_batch : cp.n_threads;
+    if (a->flash_attn >= 0) cp.flash_attn_type = a->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    struct llama_context * ctx = llama_init_from_model(model, cp);
+    int status = 1;
+    llama_token * tokens = NULL;
+    struct llama_sampler * smpl = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (!ctx) {
+        fprintf(stderr, "error: libllama could not make a context for %s\n", a->model);
+        goto done;
+    }
+    if (a->repeat_penalty != 1.0f) {
+        llama_sampler_chain_add(smpl, llama_sampler_init_penalties(llama_vocab_n_tokens(vocab), a->repeat_last_n,
+                                                                   a->repeat_penalty, 0.0f, 0.0f));
+    }
+    if (a->temp <= 0.0f) {
+        llama_sampler_chain_add(smpl, llama_sampler_init_greedy());
+    } else {
+        llama_sampler_chain_add(smpl, llama_sampler_init_top_k(a->top_k));
+        llama_sampler_chain_add(smpl, llama_sampler_init_top_p(a->top_p, 1));
+        llama_sampler_chain_add(smpl, llama_sampler_init_min_p(a->min_p, 1));
+        llama_sampler_chain_add(smpl, llama_sampler_init_temp(a->temp));
+        llama_sampler_chain_add(smpl, llama_sampler_init_dist(a->seed));
+    }
+    const int32_t plen = (int32_t) strlen(prompt);
+    const int32_t n_prompt = -llama_tokenize(vocab, prompt, plen, NULL, 0, true, true);
+    const int32_t n_ctx = (int32_t) llama_n_ctx(ctx);
+    if (n_prompt <= 0 || n_prompt >= n_ctx) {
+        fprintf(stderr, "error: the prompt is %d tokens long, which does not fit in the context of %d tokens (use -c)\n",
+                n_prompt, n_ctx);
+        goto done;
+    }
+    tokens = malloc(sizeof(llama_token) * (size_t) n_prompt);
+    if (!tokens || llama_tokenize(vocab, prompt, plen, tokens, n_prompt, true, true) != n_prompt) {
+        fprintf(stderr, "error: tokenization failed\n");
+        goto done;
+    }
+    printf("%s", prompt);
+    fflush(stdout);
+    const double t1 = now_ms();
+    if (llama_decode(ctx, llama_batch_get_one(tokens, n_prompt)) != 0) {
+        fprintf(stderr, "\nerror: prompt evaluation failed\n");
+        goto done;
+    }
+    const double t_prompt = now_ms() - t1;
+    int32_t n_gen = 0, pos = n_prompt;
+    const double t2 = now_ms();
+    while (a->n_predict < 0 || n_gen < a->n_predict) {
+        llama_token tok = llama_sampler_sample(smpl, ctx, -1);
+        if (llama_vocab_is_eog(vocab, tok) && !a->ignore_eos) break;
+        char piece[256];
+        const int32_t n = llama_token_to_piece(vocab, tok, piece, sizeof(piece), 0, true);
+        if (n > 0) fwrite(piece, 1, (size_t) n, stdout);
+        fflush(stdout);
+        ++n_gen;
+        if (pos + 1 >= n_ctx) {
+            fprintf(stderr, "\n[context of %d tokens is full]\n", n_ctx);
+            break;
+        }
+        if (llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
+            fprintf(stderr, "\nerror: decode failed\n");
+            goto done;
+        }
+        ++pos;
+    }
+    const double t_gen = now_ms() - t2;
+    printf("\n");
+    int32_t n_sparse = 0;
+    int64_t kept = 0, total = 0;
+    const int32_t n_w = tag > 0 ? powerinfer_accel_weights(tag, NULL, 0) : 0;
+    struct powerinfer_accel_weight * ws = n_w > 0 ? calloc((size_t) n_w, sizeof(*ws)) : NULL;
+    if (ws) {
+        powerinfer_accel_weights(tag, ws, n_w);
+        for (int32_t i = 0; i < n_w; ++i) {
+            if (!ws[i].sparse) continue;
+            ++n_sparse;
+            kept += ws[i].n_active;
+            total += ws[i].n_total;
+        }
+        free(ws);
+    }
+    fprintf(stderr, "\n");
+    fprintf(stderr, "seed        = %u\n", a->seed);
+    fprintf(stderr, "engine      = libllama (this architecture is not built by the core)\n");
+    if (n_sparse > 0) {
+        fprintf(stderr, "sparse mode = input (the module: %d weights, %.1f%% of their input entries kept)\n", n_sparse,
+                total ? 100.0 * (double) kept / (double) total : 0.0);
+    } else {
+        fprintf(stderr, "sparse mode = dense\n");
+    }
+    fprintf(stderr, "kernels     = %s (this CPU runs: %s)\n", powerinfer_kernel_level(), powerinfer_kernel_levels());
+    fprintf(stderr, "load time   = %10.2f ms\n", t_load);
+    fprintf(stderr, "prompt eval = %10.2f ms / %5d tokens (%8.2f tokens per second)\n", t_prompt, n_prompt,
+            t_prompt > 0 ? 1e3 * n_prompt / t_prompt : 0.0);
+    fprintf(stderr, "generation  = %10.2f ms / %5d tokens (%8.2f tokens per second)\n", t_gen, n_gen,
+            t_gen > 0 ? 1e3 * n_gen / t_gen : 0.0);
+    status = 0;
+done:
+    free(tokens);
+    llama_sampler_free(smpl);
+    if (ctx) llama_free(ctx);
+    llama_model_free(model);
+    return status;
+}
+
 int main(int argc, char ** argv) {
     struct powerinfer_sampler_params sp = powerinfer_sampler_default_params();
     struct cli_args a = {
@@ -458,6 +599,11 @@ int main(int argc, char ** argv) {
         // A worker that goes away must end the generation with a message, not this process:
         // writing to its closed socket would raise SIGPIPE.
         signal(SIGPIPE, SIG_IGN);
+    }
+    if (powerinfer_model_arch_of_file(a.model) == 0) {  // an architecture the core does not build
+        rc = run_on_libllama(&a, prompt);
+        free(prompt);
+        return rc;
     }
     struct powerinfer_model * model = powerinfer_model_load(a.model, mp);
     if (!model) {
