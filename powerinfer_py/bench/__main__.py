@@ -1,4 +1,4 @@
-"""`python -m powerinfer_py.bench [dense|sparse|hybrid|parallel|stall|rpc|speculative] [options]`; no word runs `dense`.
+"""`python -m powerinfer_py.bench [dense|sparse|accel|hybrid|parallel|stall|rpc|speculative] [options]`; no word runs `dense`.
 `--child SPEC` is the benchmarks' own child process (bench.common.spawn)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from . import dense, hybrid, parallel, rpc, sparse, speculative, stall
+from . import accel, dense, hybrid, parallel, rpc, sparse, speculative, stall
 from .common import child_main
 
-BENCHMARKS = {"dense": dense.main, "sparse": sparse.main, "hybrid": hybrid.main, "parallel": parallel.main,
+BENCHMARKS = {"accel": accel.main, "dense": dense.main, "sparse": sparse.main, "hybrid": hybrid.main, "parallel": parallel.main,
               "stall": stall.main, "rpc": rpc.main, "speculative": speculative.main}
 
 
