@@ -15,9 +15,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The core's objects, and the kernel sources' (built once per ISA level: their scalar build's
 # objects stand for every level; kernel_levels.c calls them by their suffixed names).
-OBJ_GLOBS = [os.path.join(ROOT, "build", "CMakeFiles", d, "src", "powerinfer_c", "*.c.o")
-             for d in ("powerinfer.dir", "pi-kernels-scalar.dir")]
-SOURCES = sorted(os.path.basename(p)[:-2] for p in glob.glob(os.path.join(ROOT, "src", "powerinfer_c", "*.c")))
+# The folders: the core, the kernels (shared by the core and the module) and the module.
+FOLDERS = ("powerinfer_c", "powerinfer_kernels", "powerinfer_accel")
+OBJ_GLOBS = [os.path.join(ROOT, "build", "CMakeFiles", d, "src", f, "*.c.o")
+             for d in ("powerinfer.dir", "pi-kernels-scalar.dir") for f in FOLDERS]
+FOLDER_OF = {os.path.basename(p)[:-2]: f for f in FOLDERS for p in glob.glob(os.path.join(ROOT, "src", f, "*.c"))}
+# accel_missing.c stands in for accel.c in builds without ggml's backend interface, and module.c is
+# libggml-powerinfer.so's entry point (it calls the module through libpowerinfer)
+SOURCES = sorted(s for s in FOLDER_OF if s not in ("accel_missing", "module"))  # module.c: the loadable shim, its own library
 
 
 def _symbols(obj: str):
@@ -83,3 +88,14 @@ def test_c_files_call_one_way():
 def test_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
+def test_kernels_call_nothing_of_the_core_or_the_module():
+    """The kernels are a layer of their own: the core and the module call them, they call
+    neither (but the core's log and error functions, error.c)."""
+    graph = file_graph()
+    bad = {a: sorted(b for b in callees if FOLDER_OF[b] != "powerinfer_kernels" and b != "error")
+           for a, callees in graph.items() if FOLDER_OF[a] == "powerinfer_kernels"}
+    assert not any(bad.values()), bad
+    assert any(FOLDER_OF[b] == "powerinfer_kernels" for b in graph["accel"]), "the module runs the kernels"

@@ -1,4 +1,4 @@
-"""The input-sparse product (src/powerinfer_c/input_sparse.c) against numpy, through the
+"""The input-sparse product (src/powerinfer_kernels/input_sparse.c) against numpy, through the
 build/bin/test-input-sparse-<level> drivers (the operator is internal to the core), one per
 kernel level (tests/kernel_levels.py): every level this CPU executes, a missing driver of one
 failing; on x86-64 also the aarch64 levels, cross-built by scripts/build_aarch64.sh and run

@@ -1,4 +1,4 @@
-"""The sparse FFN operators (src/powerinfer_c/sparse_ops.c) against a numpy reference,
+"""The sparse FFN operators (src/powerinfer_kernels/sparse_ops.c) against a numpy reference,
 for every weight type the sparse path promises, through the build/bin/test-sparse-ops-<level>
 drivers (the operators are internal to the core), one per kernel level (tests/kernel_levels.py:
 x86 scalar, avx2, avxvnni, avx512; aarch64 scalar, dotprod). Every level this CPU executes is

@@ -12,7 +12,7 @@
 // - llama's context gives the scheduler a backend of this device before the CPU one. Its
 //   graph_compute turns each MUL_MAT / MUL_MAT_ID of a sparse weight whose batch fits
 //   (<= the max batch, PI_COLMAT_MAX_TOKENS) into a custom op that runs the input-sparse product
-//   (src/powerinfer_c/input_sparse.c) on a column copy of the weight kept after its data, then
+//   (src/powerinfer_kernels/input_sparse.c) on a column copy of the weight kept after its data, then
 //   hands the whole split to a CPU backend it holds (one dispatch per split), and restores the
 //   nodes. Larger batches run ggml's own MUL_MAT on the weight's data, which stays in ggml's
 //   layout: the buffers are host memory and the CPU backend reads them as its own.

@@ -10,6 +10,7 @@
 #include "gguf.h"
 #include "sparse_ops.h"
 #include "input_sparse.h"
+#include "attention.h"
 #include "placement_plan.h"
 
 #include <stdarg.h>
@@ -453,12 +454,6 @@ struct pi_graph_params {
     const uint8_t * down_matmul;  // [n_layer] or NULL: single-token dense down through the matmul (build_down)
 };
 
-// Attention of q [d, n_head, n_tokens] over the f16 caches kc, vc [d * n_head_kv, size]:
-// each token over its own cells (cells: I32 [1 + n_kv, n_tokens], count then cell ids in
-// position order), fp32 throughout; the result [d, n_head, n_tokens] does not depend on the
-// rest of the batch or on where the cells sit (attention.c).
-struct ggml_tensor * pi_attention(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * kc,
-                                  struct ggml_tensor * vc, struct ggml_tensor * cells, int64_t n_head_kv, float scale);
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
                                     const struct pi_kv_cache * kv, const struct pi_graph_params * gp,

@@ -1,4 +1,4 @@
-// test_input_sparse.c - runs the input-sparse product (src/powerinfer_c/input_sparse.c) on
+// test_input_sparse.c - runs the input-sparse product (src/powerinfer_kernels/input_sparse.c) on
 // inputs written by tests/test_input_sparse.py and writes its results back for a numpy
 // comparison.
 //

@@ -11,7 +11,7 @@
 // converts Q to fp16 and accumulates V in fp16; this reads each K and V row once per head
 // group and only for the token's cells.
 #include "kernel_variant.h"  // first: this file is built once per ISA level
-#include "powerinfer-impl.h"
+#include "attention.h"
 
 #include <math.h>
 #include <stdbool.h>
