@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import ggml_capture
+from powerinfer_py.bench.common import upstream_last_logits
 from powerinfer_py._core import accel
 from powerinfer_py.pipeline import libllama
 from powerinfer_py.pipeline.sparsify import INPUT_TENSORS, INPUTS, sparsify_libllama, write_sparse_model
@@ -192,3 +193,37 @@ def test_enable_makes_plain_llama_cpp_sparse(sparse40):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_llama_cpp_tools_load_the_module_by_path(sparse40, cli_path):
+    """llama.cpp's tools call ggml_backend_load_all(), which loads GGML_BACKEND_PATH: the
+    module's library found that way takes the file POWERINFER_SPARSE_MODEL names and gives
+    the tokens the module gives in this process (tests/c/backend_path.c does what the tools
+    do at start-up, linking nothing of ours)."""
+    import os
+    from pathlib import Path
+
+    import llama_cpp
+
+    path, _ = sparse40
+    build = Path(cli_path).parent.parent
+    env = dict(os.environ, GGML_BACKEND_PATH=str(build / "lib" / "libggml-powerinfer.so"), POWERINFER_SPARSE_MODEL=path)
+    r = subprocess.run([str(build / "bin" / "test-backend-path"), path, "8"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "device PowerInfer" in r.stdout and "PowerInfer model buffer size" in r.stderr
+    tokens = [int(t) for t in r.stdout.split("tokens", 1)[1].split()]
+    with accel.armed(path):  # flash attention on: the tool's default (auto), not llama-cpp-python's
+        llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=2, verbose=False, flash_attn=True)
+    try:
+        llm.eval([1, 504, 3458, 282])
+        ours = []
+        for _ in range(8):
+            ours.append(int(np.argmax(upstream_last_logits(llm))))
+            llm.eval([ours[-1]])
+    finally:
+        llm.close()
+    assert tokens == ours
+    # without the variable, the tool runs as it always did: no module
+    r = subprocess.run([str(build / "bin" / "test-backend-path"), path, "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PowerInfer" not in r.stdout

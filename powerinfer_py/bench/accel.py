@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .._machine import cpu_model, measure_bandwidth
-from .common import ChildError, print_table, prompt_tokens, spawn
+from .common import ChildError, print_table, prompt_tokens, spawn, upstream_last_logits
 
 PROMPT_TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
                "cheaper to produce and spread ideas faster than ever before. ")
@@ -77,7 +77,7 @@ def decode_run(model: str, sparse: str, threads: int, n_gen: int, passthrough: b
             pass
 
     def last(name: str, e: Any) -> np.ndarray:
-        return e._last_logits_view() if name == "core input mode" else e._scores[-1]
+        return e._last_logits_view() if name == "core input mode" else upstream_last_logits(e)
 
     prompt = prompt_tokens(engines["llama-cpp-python"].tokenize, 16, PROMPT_TEXT)
     for name, e in engines.items():

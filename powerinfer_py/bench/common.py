@@ -89,7 +89,7 @@ def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int, pr
         import llama_cpp
 
         llm = llama_cpp.Llama(model_path=path, **kw)
-        last = lambda: llm._scores[-1]  # noqa: E731
+        last = lambda: upstream_last_logits(llm)  # noqa: E731
     else:
         from ..llama import Llama
 
@@ -102,6 +102,16 @@ def peak_rss(engine: str, path: str, threads: int, n_prompt: int, n_gen: int, pr
     return {"load_s": t_load, "peak_rss_mib": peak_rss_mib()}
 
 
+def upstream_last_logits(llm: Any):
+    """The last decoded token's logits of a llama_cpp.Llama (its `scores` keep them only with
+    logits_all=True)."""
+    import llama_cpp
+    import numpy as np
+
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
 def greedy_steps_interleaved(ref: Any, ours: Any, n_gen: int) -> Tuple[float, float]:
     """n_gen greedy decode steps of llama-cpp-python's Llama (ref) and ours, one step of each
     in turn (the machine's bandwidth drifts); the seconds each engine spent."""
@@ -110,7 +120,7 @@ def greedy_steps_interleaved(ref: Any, ours: Any, n_gen: int) -> Tuple[float, fl
     t_ref = t_ours = 0.0
     for _ in range(n_gen):
         t = time.perf_counter()
-        ref.eval([int(np.argmax(ref._scores[-1]))])
+        ref.eval([int(np.argmax(upstream_last_logits(ref)))])
         t_ref += time.perf_counter() - t
         t = time.perf_counter()
         ours.eval([int(np.argmax(ours._last_logits_view()))])

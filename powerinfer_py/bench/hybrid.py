@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .common import add_pair_arguments, ChildError, missing_pair, peak_rss_mib, print_table, spawn
+from .common import add_pair_arguments, ChildError, missing_pair, peak_rss_mib, print_table, spawn, upstream_last_logits
 
 N_CTX = 512
 N_BATCH = 32  # decode-only benchmark: a short prompt, small compute buffers (both engines)
@@ -104,7 +104,7 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
         llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=spec["threads"],
                               n_threads_batch=spec["threads"], n_gpu_layers=spec["n_gpu_layers"], verbose=False)
-        out["decode_tok_s"] = _decode(llm.eval, lambda: llm._scores[-1], llm.tokenize(PROMPT), spec["n_gen"])
+        out["decode_tok_s"] = _decode(llm.eval, lambda: upstream_last_logits(llm), llm.tokenize(PROMPT), spec["n_gen"])
         if spec.get("n_prompt"):
             out["prompt_tok_s"] = _prompt(llm.eval, llm.reset, _prompt_tokens(llm.tokenize, spec["n_prompt"]))
     else:

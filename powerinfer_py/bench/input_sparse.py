@@ -35,7 +35,8 @@ import numpy as np
 from .._machine import best_alternating, cpu_model, measure_bandwidth
 from ..assets.models import cache_dir
 from ..pipeline.evaluate import prompt_timer
-from .common import ChildError, greedy_steps_interleaved, peak_rss, print_rss_table, print_table, prompt_tokens, spawn
+from .common import (ChildError, greedy_steps_interleaved, peak_rss, print_rss_table, print_table, prompt_tokens, spawn,
+                     upstream_last_logits)
 
 INPUTS = ("qkv", "o", "ffn", "down")
 PROMPT_TEXT = (
@@ -131,7 +132,7 @@ def decode_pair(model: str, path: str, threads: int, n_gen: int) -> Dict[str, An
     ref.eval(prompt)
     ours.eval(prompt)
     for _ in range(4):  # warm-up steps, not timed
-        ref.eval([int(np.argmax(ref._scores[-1]))])
+        ref.eval([int(np.argmax(upstream_last_logits(ref)))])
         ours.eval([int(np.argmax(ours._last_logits_view()))])
     ours.reset_timings()
     t_ref, t_ours = greedy_steps_interleaved(ref, ours, n_gen)

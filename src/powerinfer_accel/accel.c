@@ -980,6 +980,8 @@ ggml_backend_reg_t pi_accel_reg(void) {
     return &g_reg;
 }
 
+void * powerinfer_accel_backend_reg(void) { return pi_accel_reg(); }
+
 int32_t powerinfer_accel_register(void) {
     static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
     static bool done;

@@ -7,6 +7,7 @@
 
 int32_t powerinfer_accel_register(void) { return pi_fail(POWERINFER_ERR_UNSUPPORTED, PI_NO_MODULE); }
 bool powerinfer_accel_registered(void) { return false; }
+void * powerinfer_accel_backend_reg(void) { return NULL; }
 int32_t powerinfer_accel_arm(const char * path, int32_t mode) { return pi_fail(POWERINFER_ERR_UNSUPPORTED, PI_NO_MODULE); }
 void powerinfer_accel_disarm(void) {}
 int32_t powerinfer_accel_rule_count(void) { return 0; }

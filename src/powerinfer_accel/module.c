@@ -21,5 +21,5 @@ PI_MODULE_EXPORT ggml_backend_reg_t ggml_backend_init(void) {
             fprintf(stderr, "powerinfer: POWERINFER_SPARSE_MODEL=%s: %s\n", path, powerinfer_last_error());
         }
     }
-    return pi_accel_reg();
+    return (ggml_backend_reg_t) powerinfer_accel_backend_reg();
 }

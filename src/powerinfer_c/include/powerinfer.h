@@ -601,6 +601,9 @@ struct powerinfer_accel_weight {
 // Registers the module's device with ggml's registry (the libggml.so.0 libllama uses); idempotent.
 POWERINFER_API int32_t powerinfer_accel_register(void);
 POWERINFER_API bool powerinfer_accel_registered(void);
+// The module's ggml_backend_reg_t (for libggml-powerinfer.so's ggml_backend_init, and for
+// programs that register it themselves with ggml_backend_register); NULL without the module.
+POWERINFER_API void * powerinfer_accel_backend_reg(void);
 // Arms the module for the next model libllama loads: mode SPARSE and PASSTHROUGH read the
 // thresholds of path (powerinfer.tensor_thresholds.*, or input mode's per-layer keys);
 // CALIBRATE takes no file (path may be NULL). Returns a tag (> 0) that the weights placed
