@@ -58,6 +58,12 @@ def qwen_path(model_file) -> str:
 
 
 @pytest.fixture(scope="session")
+def gemma_path(model_file) -> str:
+    """Gemma-3-270M Q4_K_M: an architecture (gemma3) only libllama builds."""
+    return model_file("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def ref_llama(model_file):
     """name -> llama_cpp.Llama reference (logits_all=True so tests can read its scores)."""
     import llama_cpp

@@ -185,7 +185,7 @@ def test_damaged_wheel_is_removed_with_a_clear_error(cache, fake_model, monkeypa
 def test_cli_list(cache, capsys):
     assert models.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "smollm2 (default)" in out and "qwen2.5-coder-0.5b" in out
+    assert "smollm2 (default)" in out and "qwen2.5-coder-0.5b" in out and "gemma3-270m" in out
     assert "missing" in out
 
 

