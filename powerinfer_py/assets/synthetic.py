@@ -14,7 +14,10 @@ How the sparsity is planted (see docs/synthetic-models.md):
   sign (fc1 = [A; -A], fc2 = [B, -B] and relu(y) - relu(-y) = y). Weight quantization
   makes it slightly inexact.
 
-Run `python -m powerinfer_py.assets.synthetic --preset tiny|7b --out DIR`.
+Also a tiny MoE model of llama.cpp's qwen3moe architecture (generate_qwen3moe: random weights,
+no planted sparsity; the input-sparse module's MUL_MAT_ID tests).
+
+Run `python -m powerinfer_py.assets.synthetic --preset tiny|7b|tiny-qwen3moe --out DIR`.
 """
 
 from __future__ import annotations
@@ -349,9 +352,100 @@ def generate_falcon(out_dir: os.PathLike, n_embd: int = 64, n_ff: int = 256, n_l
     return paths
 
 
+@dataclass
+class MoeSpec:
+    """A tiny model of llama.cpp's `qwen3moe` architecture (Qwen3-30B-A3B's graph: q/k
+    RMS norms, a softmax router whose top-k weights are renormalised, SwiGLU experts, no
+    shared expert), random but well-scaled weights, the experts quantized."""
+
+    name: str = "tiny-qwen3moe"
+    n_embd: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 64
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff_exp: int = 256
+    n_ctx: int = 2048
+    seed: int = 0
+    attn_type: str = "Q8_0"     # attn_q/k/v/output, token_embd, output
+    gate_up_type: str = "Q4_0"  # ffn_gate_exps, ffn_up_exps: [n_expert, n_ff_exp, n_embd]
+    down_type: str = "Q8_0"     # ffn_down_exps: [n_expert, n_embd, n_ff_exp]
+
+
+MOE_PRESETS: Dict[str, MoeSpec] = {"tiny-qwen3moe": MoeSpec()}
+
+
+def generate_qwen3moe(out_dir: os.PathLike, spec: MoeSpec = MoeSpec(), progress: bool = False) -> str:
+    """Writes <name>.gguf (architecture qwen3moe, the _vocab() tokenizer) into out_dir and
+    returns its path. The router's logits have unit spread over normalised inputs, so tokens
+    spread over the experts; every matrix is scaled to keep its output's RMS near its input's."""
+    import gguf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    e, hd, f, n_exp = spec.n_embd, spec.head_dim, spec.n_ff_exp, spec.n_expert
+    n_vocab = len(_vocab()[0])
+
+    def normal(*shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    def ones(n):
+        return np.ones(n, dtype=np.float32)
+
+    path = str(out / f"{spec.name}.gguf")
+    w = new_writer(path, "qwen3moe")
+    w.add_name(spec.name)
+    w.add_context_length(spec.n_ctx)
+    w.add_embedding_length(e)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(f * spec.n_expert_used)
+    w.add_expert_feed_forward_length(f)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    _add_vocab(w, unk=True)
+
+    def add(name, arr, wtype="F32"):
+        data, raw = _quant(arr, wtype)
+        if raw is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw)
+
+    add("token_embd.weight", normal(n_vocab, e, fan_in=1), spec.attn_type)
+    add("output_norm.weight", ones(e))
+    add("output.weight", normal(n_vocab, e, fan_in=e), spec.attn_type)
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        add(b + "attn_norm.weight", ones(e))
+        add(b + "attn_q.weight", normal(spec.n_head * hd, e, fan_in=e), spec.attn_type)
+        add(b + "attn_k.weight", normal(spec.n_head_kv * hd, e, fan_in=e), spec.attn_type)
+        add(b + "attn_v.weight", normal(spec.n_head_kv * hd, e, fan_in=e), spec.attn_type)
+        add(b + "attn_output.weight", normal(e, spec.n_head * hd, fan_in=spec.n_head * hd), spec.attn_type)
+        add(b + "attn_q_norm.weight", ones(hd))
+        add(b + "attn_k_norm.weight", ones(hd))
+        add(b + "ffn_norm.weight", ones(e))
+        add(b + "ffn_gate_inp.weight", normal(n_exp, e, fan_in=e))  # the router stays F32, as in real files
+        add(b + "ffn_gate_exps.weight", normal(n_exp, f, e, fan_in=e), spec.gate_up_type)
+        add(b + "ffn_up_exps.weight", normal(n_exp, f, e, fan_in=e), spec.gate_up_type)
+        add(b + "ffn_down_exps.weight", normal(n_exp, e, f, fan_in=f), spec.down_type)
+    finish(w, path, progress=progress)
+    return path
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m powerinfer_py.assets.synthetic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + sorted(MOE_PRESETS), default="tiny",
+                    help="tiny-qwen3moe: a qwen3moe MoE model (only --seed and --name apply)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--name", help="file name stem (default: the preset's)")
@@ -361,6 +455,12 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--pred-type", choices=("F32", "F16", "Q8_0", "Q4_0"), help="the predictor's type")
     ap.add_argument("--wtype", choices=("F32", "F16", "Q8_0", "Q4_0"), help="the other 2-D weights' type")
     args = ap.parse_args(argv)
+    if args.preset in MOE_PRESETS:
+        moe = replace(MOE_PRESETS[args.preset])
+        moe.seed = moe.seed if args.seed is None else args.seed
+        moe.name = args.name or moe.name
+        print(json.dumps({"dense": generate_qwen3moe(args.out, moe)}, indent=1))
+        return 0
     spec = replace(PRESETS[args.preset])
     for field, value in (("seed", args.seed), ("name", args.name), ("active_frac", args.active_frac),
                          ("power", args.power), ("pred_rank", args.pred_rank), ("pred_type", args.pred_type),
