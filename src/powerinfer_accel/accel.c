@@ -270,17 +270,21 @@ static bool wants_sparse(const struct ggml_tensor * w, float * threshold) {
     return true;
 }
 
+// A tensor's bytes, and for a sparse weight its column copies after them. Any other tensor
+// (the compute buffers' too: a [1, n_tokens] f32 node of MoE routing is 4 bytes) asks for
+// exactly ggml_nbytes: ggml asserts that only quantized or empty-op tensors ask for more.
 static size_t weight_alloc_size(const struct ggml_tensor * t) {
-    size_t n = align_up(ggml_nbytes(t));
+    const size_t n = ggml_nbytes(t);
+    size_t copies = 0;
     pthread_mutex_lock(&g_lock);
     float thr;
     struct pi_colmat cm;
     if (g_mode == POWERINFER_ACCEL_SPARSE && wants_sparse(t, &thr)) {
         const size_t b = colmat_bytes(t, &cm);
-        if (b) n += align_up(b) * (size_t) t->ne[2];
+        if (b) copies = align_up(b) * (size_t) t->ne[2];
     }
     pthread_mutex_unlock(&g_lock);
-    return n;
+    return copies ? align_up(n) + copies : n;
 }
 
 static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
