@@ -372,6 +372,7 @@ class MoeSpec:
     attn_type: str = "Q8_0"     # attn_q/k/v/output, token_embd, output
     gate_up_type: str = "Q4_0"  # ffn_gate_exps, ffn_up_exps: [n_expert, n_ff_exp, n_embd]
     down_type: str = "Q8_0"     # ffn_down_exps: [n_expert, n_embd, n_ff_exp]
+    bigram: float = 0.5         # weight of the planted successor in the output matrix
 
 
 MOE_PRESETS: Dict[str, MoeSpec] = {"tiny-qwen3moe": MoeSpec()}
@@ -421,9 +422,15 @@ def generate_qwen3moe(out_dir: os.PathLike, spec: MoeSpec = MoeSpec(), progress:
         else:
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw)
 
-    add("token_embd.weight", normal(n_vocab, e, fan_in=1), spec.attn_type)
+    embd = normal(n_vocab, e, fan_in=1)
+    add("token_embd.weight", embd, spec.attn_type)
     add("output_norm.weight", ones(e))
-    add("output.weight", normal(n_vocab, e, fan_in=e), spec.attn_type)
+    # Random logits plus a planted bigram: token i's row leans towards the embedding of a
+    # random successor, so greedy text wanders through the vocabulary instead of repeating,
+    # with margins between the top logits well above the run-to-run noise of 8-bit inputs.
+    succ = rng.permutation(n_vocab)
+    add("output.weight", normal(n_vocab, e, fan_in=e) + spec.bigram * embd[np.argsort(succ)] / np.sqrt(e),
+        spec.attn_type)
     for il in range(spec.n_layer):
         b = f"blk.{il}."
         add(b + "attn_norm.weight", ones(e))
