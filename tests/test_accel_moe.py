@@ -69,8 +69,9 @@ def _with_thresholds(src: str, dst: str, thresholds: Dict[str, float]) -> str:
 
 
 def _greedy(path: str, tag=None, **kw):
-    """Greedy tokens and their logits; with the module's tag, also the weights it placed
-    (read before the model, whose buffers hold their records, is freed)."""
+    """Greedy tokens and their logits; with the module's tag, also the weights it placed and
+    the records of tensors placed unarmed, tag 0 (read before the model, whose buffers hold
+    the records, is freed)."""
     from powerinfer_py._core import accel
 
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=N_THREADS, logits_all=True, verbose=False, **kw)
@@ -82,7 +83,7 @@ def _greedy(path: str, tag=None, **kw):
             logits.append(row)
             tokens.append(int(row.argmax()))
             llm.eval([tokens[-1]])
-        return tokens, np.array(logits), (accel.weights(tag) if tag is not None else None)
+        return tokens, np.array(logits), (accel.weights(tag) + accel.weights(0) if tag is not None else None)
     finally:
         llm.close()
 
@@ -98,6 +99,9 @@ def test_threshold_zero_gives_llama_cpp_greedy_tokens(moe_model, weights, tmp_pa
     with accel.armed(copy) as (tag, n_rules):
         tokens, logits, placed = _greedy(copy, tag)
     assert n_rules == len(weights) == 14
+    # the weights, and no record of the compute buffers' nodes (they piled up at each graph
+    # allocation: two here, the prompt's and a token's)
+    assert len(placed) == len({w["name"] for w in placed}) == 26, [w["name"] for w in placed]
     placed = {w["name"]: w for w in placed}
     for name in weights:
         w = placed[name]

@@ -288,7 +288,10 @@ static size_t weight_alloc_size(const struct ggml_tensor * t) {
 }
 
 static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
-    if (t->view_src != NULL) return GGML_STATUS_SUCCESS;
+    // A record per weight. The compute buffers' nodes are initialised again at every graph
+    // allocation (each new batch shape; every step with LLAMA_GRAPH_REUSE_DISABLE=1): records
+    // of theirs would pile up until the context ends, and their ids grow the backends' tables.
+    if (t->view_src != NULL || buffer->usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE) return GGML_STATUS_SUCCESS;
     struct accel_buffer * ab = buffer->context;
     pthread_mutex_lock(&g_lock);
     float thr = 0.0f;
