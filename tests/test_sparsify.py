@@ -290,7 +290,7 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
     # a copy whose layers all run dense and whose output matrix (SmolLM2's tied Q8_0
     # embeddings) runs input-sparse: each token's logits must be the kernel's formula over the
     # file's own blocks (tests/test_input_sparse.py: per block u of 32 columns,
-    # y = a_u * dx_u * sum_j (q_j + 128) * q8_j - 128 * a_u * sum_j x_j over the kept j), from
+    # y = a_u * dx_u * sum_j (q_j + 128) * q8_j - 128 * a_u * dx_u * sum_j q8_j over the kept j), from
     # the final norm's output of the same step with |x| <= tau dropped, except for the token's
     # POWERINFER_HEAD_EXACT_ROWS largest of those: ggml's dense product over every column
     # (y = sum_u a_u * dx_u * sum_j q_j * q8_j, x quantized to Q8_0 whole, dx as f16); in a batch too,
@@ -323,7 +323,7 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
         kept = np.where(np.abs(x) > np.float32(tau), x, np.float32(0.0))
         qk, dk = q8(kept)
         dot = np.einsum("vuj,uj->vu", qs + 128.0, qk) * a * dk  # [n_vocab, units]
-        off = -128.0 * a * kept.astype(np.float64).sum(axis=1)
+        off = -128.0 * a * (qk.sum(axis=1) * dk)[None, :]
         sparse = (dot + off).sum(axis=1)
         sparse_bound = eps * (np.abs(dot) + np.abs(off)).sum(axis=1) + 1e-6
         qx, dx = q8(x)  # ggml's Q8_0 keeps its scale as f16
