@@ -34,9 +34,10 @@ async function loadProps() {
     if (!r.ok) throw new Error("GET /props: " + r.status);
     const p = await r.json();
     state.props = p;
-    const name = p.model_alias || p.model_path || "?";
-    $("model-name").textContent = name.split("/").pop();
-    $("model-name").title = p.model_path || name;
+    const file = (p.model_path || "?").split("/").pop();
+    const alias = (p.model_alias || file).split("/").pop();
+    $("model-name").textContent = alias === file ? file : alias + " (" + file + ")";
+    $("model-name").title = p.model_path || alias;
     const facts = [
       ["engine", p.engine], ["sparse mode", p.sparse_mode], ["kernels", p.sparse_kernels],
       ["slots", p.total_slots], ["n_ctx", (p.default_generation_settings || {}).n_ctx],
@@ -213,8 +214,10 @@ function update({ scalars, layers }) {
         + "(a PowerInfer GGUF, or one made by `powerinfer sparsify`) to see it here."
       : "Sparse mode " + mode + ": no sparse step yet (prompts run dense; the share shows once tokens are generated).";
     drawBars(null);
+    $("sparse-history").hidden = true;
     return;
   }
+  $("sparse-history").hidden = false;
   const counts = total.map((t, i) => [active[i] || 0, t || 0]);
   const prev = state.prevLayers;
   let shares, live = false;
