@@ -82,10 +82,12 @@ STATS: Dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(smollm2_path, tmp_path_factory):
     # One thread: on 2 cores shared with other jobs, two threads that wait on each other
     # at every layer run many times slower than one.
     args = ("--n_ctx", str(N_CTX), "--n_batch", str(N_CTX), "--embedding", "true", "--vram-budget", "0")
+    # The slot actions run for real (files in a folder of the test's own).
+    args += ("--slot-save-path", str(tmp_path_factory.mktemp("schema-slots")))
     args += ("--n_threads", "1", "--n_threads_batch", "1")
     with ServerProcess(smollm2_path, *args) as proc:  # it reads the server's output into proc.log
         started = time.monotonic()
