@@ -35,8 +35,9 @@ _ENGINE_METRICS: Dict[str, Tuple[str, str]] = {
 # Per layer, labelled layer="N": the counts behind the sparse active share (the rate of the
 # first over the rate of the second is the share of the last interval).
 _LAYER_METRICS = (
-    ("sparse_layer_neurons_active_total", "FFN neurons the sparse steps computed, per layer"),
-    ("sparse_layer_neurons_total", "FFN neurons the sparse steps considered, per layer"),
+    ("sparse_layer_neurons_active_total",
+     "FFN neurons the sparse steps computed, per layer (input mode: input entries read)"),
+    ("sparse_layer_neurons_total", "FFN neurons the sparse steps considered, per layer (input mode: input entries)"),
 )
 
 

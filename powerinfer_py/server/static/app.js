@@ -231,13 +231,16 @@ function update({ scalars, layers }) {
       if (state.overall.length > 120) state.overall.shift();
     }
   }
+  const since = live ? "over the last second" : state.shares ? "over the last second with sparse steps" : "since the start";
   if (!shares) shares = state.shares || counts.map(([a, t]) => (t > 0 ? a / t : null));
   state.prevLayers = counts;
   state.shares = shares;
   const all = counts.reduce((s, [a, t]) => [s[0] + a, s[1] + t], [0, 0]);
-  $("sparse-note").textContent = (live ? "Last second" : "Since start") + ": " + (100 * all[0] / all[1]).toFixed(1)
-    + "% of FFN neurons computed overall (since start), per layer above; sparse mode "
-    + (state.props ? state.props.sparse_mode : "?") + ".";
+  const mode = state.props ? state.props.sparse_mode : "?";
+  // Input mode counts the matrices' input entries read, the other modes FFN neurons.
+  const what = mode === "input" ? "of the matrices' input entries read" : "of FFN neurons computed";
+  $("sparse-note").textContent = "Per layer, " + since + "; "
+    + (100 * all[0] / all[1]).toFixed(1) + "% " + what + " since the start (sparse mode " + mode + ").";
   drawBars(shares);
   drawHistory();
 }
