@@ -38,8 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .. import __version__
 from . import messages_api, page, responses_api, routes, slots
 from .engine import ServerState
-from .errors import (APIError, anthropic_error_response, error_from_exception, error_response, json_response,
-                     validation_error)
+from .errors import APIError, anthropic_error_response, error_from_exception, error_response, validation_error
 from .openapi import document_responses
 from .settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from .types import HealthResponse
