@@ -12,7 +12,7 @@ not served. Errors are OpenAI's error body, as on every other OpenAI route.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -190,12 +190,13 @@ class _Response:
         self.body, self.chat, self.model = body, chat, model
 
     def object(self, status: str, output: List[Dict[str, Any]], answer: Optional[ChatAnswer] = None,
-               llama: Any = None) -> Dict[str, Any]:
+               counts: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+        """The Response; `counts`: (input tokens, output tokens) once it is done."""
         body, chat = self.body, self.chat
         incomplete = answer is not None and answer.finish_reason == "length"
         usage = None
-        if answer is not None:
-            n_in, n_out = usage_of(llama)
+        if counts is not None:
+            n_in, n_out = counts
             usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
         return {
@@ -216,7 +217,8 @@ class _Response:
         if answer.text or not answer.tool_calls:
             output.append(_message_item(new_id("msg"), answer.text, "completed"))
         output += [_call_item(new_id("fc"), call, "completed") for call in answer.tool_calls]
-        return self.object("completed", output, answer, llama)
+        usage = result.get("usage") or {}
+        return self.object("completed", output, answer, (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)))
 
 
 class _ResponseEvents(ChatStreamEvents):
@@ -293,7 +295,7 @@ class _ResponseEvents(ChatStreamEvents):
                                arguments=entry["call"]["arguments"])
             out += self._event("response.output_item.done", output_index=entry["index"], item=item)
         self.calls = []
-        final = self.response.object("completed", self.output, self.answer, self.llama)
+        final = self.response.object("completed", self.output, self.answer, usage_of(self.llama))
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + self._event(kind, response=final)
 

@@ -208,6 +208,8 @@ async def slot_action(request: Request, id_slot: int, action: Literal["save", "r
             n, n_bytes = await state.run_on_slot(lambda: _restore(llama, path, model_path))
         else:
             n = await state.run_on_slot(lambda: _erase(llama))
+    except (IsADirectoryError, NotADirectoryError):
+        raise APIError(400, f"{path.name} in --slot_save_path is not a file", param="filename") from None
     finally:
         release()
     ms = (time.perf_counter() - t0) * 1000
