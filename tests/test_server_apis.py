@@ -111,9 +111,8 @@ def test_openai_client_responses_plain_and_streamed(server):
     assert last.type == kinds[-1] and last.response.output_text == whole.output_text
 
 
+@pytest.mark.parametrize("server", [1], indirect=True, ids=["n_parallel=1"])  # the same path on either engine
 def test_openai_client_responses_function_call_and_message_list(server):
-    if server.n_parallel != 1:
-        pytest.skip("tools take the same path on either engine; once is enough")
     client = _openai(server)
     r = client.responses.create(model="smollm2", input=[{"role": "user", "content": "What is the weather in Paris?"}],
                                 tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "get_weather"},
@@ -171,9 +170,8 @@ def test_anthropic_client_messages_plain_and_streamed(server):
     assert all(json.loads(b.split("\n")[1].removeprefix("data: "))["type"] == n for b, n in zip(blocks, names))
 
 
+@pytest.mark.parametrize("server", [1], indirect=True, ids=["n_parallel=1"])  # the same path on either engine
 def test_anthropic_stop_sequences_and_errors(server):
-    if server.n_parallel != 1:
-        pytest.skip("stop sequences take the same path on either engine; once is enough")
     client = _anthropic(server)
     whole = client.messages.create(model="smollm2", max_tokens=8, extra_body={"temperature": 0},
                                    messages=[{"role": "user", "content": "Count from 1 to 9, digits and commas."}])
@@ -388,9 +386,8 @@ def _require_chromium():
         (pytest.fail if os.environ.get("POWERINFER_REQUIRE_CHROMIUM") == "1" else pytest.skip)(why)
 
 
+@pytest.mark.parametrize("server", [1], indirect=True, ids=["n_parallel=1"])  # the same path on either engine
 def test_chat_page_streams_in_chromium(server, tmp_path):
-    if server.n_parallel != 1:
-        pytest.skip("the page is the same on either engine")
     _require_chromium()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
