@@ -419,11 +419,11 @@ class Llama:
         if self._fallback is not None:
             tag = self.__dict__.get("_accel_tag")
             if tag is None:
-                return {"mode": "dense", "layers": [], "active": None, "kernels": None}
+                return {"mode": "dense", "layers": [], "active": None, "kernels": None, "counts": []}
             # the module inside libllama (docs/accel.md): per weight, not per layer
             st = _accel.sparse_stats(tag)
             return {"mode": "input", "layers": [], "active": st["active"], "weights": st["weights"],
-                    "kernels": kernel_level()}
+                    "kernels": kernel_level(), "counts": []}
         ctx = self._require_ctx()
         counts = [ctx.sparse_stats(il) for il in range(self._model.n_layer())]
         total = sum(n for _, n in counts)
@@ -432,6 +432,7 @@ class Llama:
             "layers": [a / n if n else None for a, n in counts],
             "active": sum(a for a, _ in counts) / total if total else None,
             "kernels": kernel_level(),
+            "counts": counts,  # per layer (active, considered): the shares' counts
         }
 
     def _new_context(self, n_ctx: int, seed: int, flash_attn: Optional[bool], embedding: bool) -> None:

@@ -156,10 +156,13 @@ class SlotBackend:
         raise NotImplementedError(f"{what} is not available on a slot of a ParallelLlama; use a Llama of its own")
 
     def state_save(self) -> bytes:
-        self._unsupported("save_state")
+        """The sequence's cached positions (keys and values; no logits: the next generation
+        decodes its last prompt token again), between two steps of the batcher."""
+        return self._pool._with_ctx(lambda ctx: ctx.state_seq_save(self.seq_id))
 
     def state_load(self, data: bytes) -> None:
-        self._unsupported("load_state")
+        """Replace the sequence's cache with a state_save() (of a slot, or of a Llama's context)."""
+        self._pool._with_ctx(lambda ctx: ctx.state_seq_load(self.seq_id, data))
 
     def embeddings(self, row: int = 0, n_rows: int = 1) -> np.ndarray:
         self._unsupported("embeddings")
@@ -236,20 +239,29 @@ class ParallelLlama:
 
     # ---- slots -------------------------------------------------------------------------
 
-    def acquire(self, timeout: Optional[float] = None) -> Llama:
+    def acquire(self, timeout: Optional[float] = None, slot_id: Optional[int] = None) -> Llama:
         """A free slot (waits for one); give it back with release(). The slot that has been
-        idle longest is handed out, so recent prompts stay cached for adoption."""
+        idle longest is handed out, so recent prompts stay cached for adoption; with `slot_id`,
+        that slot (waiting until it is free: saving or restoring its cache, say)."""
+        if slot_id is not None and not (isinstance(slot_id, int) and 0 <= slot_id < self.n_parallel):
+            raise ValueError(f"slot_id must be an int in [0, {self.n_parallel}), not {slot_id!r}")
         with self._slot_cond:
             self._n_waiting += 1
             try:
-                if not self._slot_cond.wait_for(lambda: self._free or self._closed, timeout):
+                ready = (lambda: self._free or self._closed) if slot_id is None else \
+                    (lambda: slot_id in self._free or self._closed)
+                if not self._slot_cond.wait_for(ready, timeout):
                     raise TimeoutError(f"no free slot within {timeout} s")
             finally:
                 self._n_waiting -= 1
             if self._closed:
                 raise RuntimeError("the ParallelLlama is closed")
             self._counts["requests"] += 1
-            slot = self._slots[self._free.popleft()]
+            if slot_id is None:
+                slot_id = self._free.popleft()
+            else:
+                self._free.remove(slot_id)
+            slot = self._slots[slot_id]
             slot._seed = self._seeds.randrange(2**32)  # an unseeded request derives its seed from it
             return slot
 
@@ -260,7 +272,7 @@ class ParallelLlama:
                 raise ValueError("release() takes a slot acquired from this pool, once")
             slot._seq.sampler = None
             self._free.append(seq_id)
-            self._slot_cond.notify()
+            self._slot_cond.notify_all()  # a waiter may wait for this very slot
 
     @contextlib.contextmanager
     def slot(self, timeout: Optional[float] = None) -> Iterator[Llama]:
@@ -269,6 +281,19 @@ class ParallelLlama:
             yield s
         finally:
             self.release(s)
+
+    @property
+    def slots(self) -> Sequence[Llama]:
+        """Every slot, by id (read their counters only: a slot is used between acquire and
+        release)."""
+        return tuple(self._slots)
+
+    def slot_id(self, slot: Llama) -> int:
+        """The id of a slot of this pool (its sequence in the shared KV cache)."""
+        seq_id = _seq_id(slot)
+        if getattr(slot, "_slot_of", None) is not self or seq_id is None:
+            raise ValueError("not a slot of this pool")
+        return seq_id
 
     @property
     def slots_busy(self) -> int:
@@ -466,6 +491,13 @@ class ParallelLlama:
         sparse step), as of the last step: it never waits for a step."""
         st = self._batcher.stats()
         return st["sparse_active"] / st["sparse_total"] if st["sparse_total"] else None
+
+    def sparse_layer_counts(self) -> List[tuple]:
+        """Per layer (FFN neurons the sparse steps computed, neurons they considered) since the
+        pool was made: counters read as they are, never waiting for a step ([] once closed)."""
+        if self._closed:
+            return []
+        return [self._ctx.sparse_stats(il) for il in range(self._model.n_layer())]
 
     @property
     def failed(self) -> bool:

@@ -50,7 +50,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # so the build sees the installed llama-cpp-python). llama-cpp-python is installed with
 # --no-deps; numpy, typing-extensions, diskcache and jinja2 are its runtime deps.
 # The server and langchain extras, and what their tests drive them with (httpx, the
-# official openai client, langchain-community's LlamaCpp classes), are installed too,
+# official openai and anthropic clients, selenium for the chat page in Debian's headless
+# Chromium, which scripts/test.sh installs, langchain-community's LlamaCpp classes), are
+# installed too,
 # import-linter, whose lint-imports checks the package's layers (tests/test_layers.py),
 # atheris (coverage-guided fuzzing of the Python readers, tests/fuzz/) and schemathesis
 # (the server against its own OpenAPI schema, tests/test_server_schema.py), and
@@ -58,7 +60,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS}
 # `python -m powerinfer_py.bench parallel`).
 DEPS=(numpy cffi gguf jinja2 diskcache typing-extensions pytest pytest-benchmark
       scikit-build-core cmake ninja
-      fastapi uvicorn sse-starlette pydantic-settings httpx openai
+      fastapi uvicorn sse-starlette pydantic-settings httpx openai anthropic selenium
       langchain-core langchain-community import-linter atheris schemathesis starlette-context)
 
 phase() { printf '\n==> %s\n' "$*"; }

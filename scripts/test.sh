@@ -38,6 +38,25 @@ if [ "${POWERINFER_AARCH64:-1}" != 0 ] && [ "$(uname -m)" = x86_64 ]; then
     fi
 fi
 
+# Debian's headless Chromium and its chromedriver, for the chat page's browser test
+# (tests/test_server_apis.py, through selenium; nothing is downloaded at test time). apt
+# packages, installed when running as root. Without them that test is skipped, unless
+# POWERINFER_REQUIRE_CHROMIUM=1 (CI) makes that an error. POWERINFER_CHROMIUM=0 leaves them out.
+if [ "${POWERINFER_CHROMIUM:-1}" != 0 ]; then
+    printf '\n==> %s\n' "headless Chromium for the chat page's test (apt: chromium chromium-driver)"
+    if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+        echo "    $(/usr/bin/chromium --version 2>/dev/null || echo chromium)"
+    elif command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] &&
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; then
+        echo "    installed: $(/usr/bin/chromium --version 2>/dev/null || echo chromium)"
+    elif [ "${POWERINFER_REQUIRE_CHROMIUM:-0}" = 1 ]; then
+        echo "error: chromium and chromium-driver could not be installed (POWERINFER_REQUIRE_CHROMIUM=1)" >&2
+        exit 1
+    else
+        echo "warning: no chromium/chromedriver: the chat page's browser test will be skipped" >&2
+    fi
+fi
+
 printf '\n==> %s\n' "test assets (models + llama.cpp tokenizer fixtures)"
 .venv/bin/python -m powerinfer_py.assets.models fetch all
 .venv/bin/python -m powerinfer_py.assets.models vocab-fixtures

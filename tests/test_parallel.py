@@ -395,6 +395,44 @@ def test_parallel_llama_reuses_a_cached_prefix(smol_llama):
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 
+def test_a_slot_saves_and_loads_its_own_sequence(smol_llama):
+    """A slot's save_state holds its own sequence of the shared cache (powerinfer_state_seq_save),
+    which loads into any slot: there the same continuation follows, its prompt read from the
+    loaded cache. A Llama's state loads into a slot too; a damaged one is refused."""
+    prompt = "The three primary colors are"
+    greedy = {"max_tokens": 6, "temperature": 0}
+    with ParallelLlama(smol_llama, n_parallel=3) as pool:
+        a = pool.acquire(slot_id=1)
+        text = a.create_completion(prompt, **greedy)["choices"][0]["text"]
+        state = a.save_state()
+        assert state.n_tokens == a.n_tokens > 0 and len(state.scores) == 0
+        expected = a.create_completion(prompt + text, **greedy)["choices"][0]["text"]
+        a.reset()
+        pool.release(a)
+        with pool.slot() as other:  # other cells in between
+            other.create_completion("An unrelated prompt about the sea", max_tokens=2, temperature=0)
+        b = pool.acquire(slot_id=2)
+        assert pool.slot_id(b) == 2 and pool.slots[2] is b
+        b.load_state(state)
+        assert b.n_tokens == state.n_tokens
+        reused = pool.stats["prompt_tokens_reused"]
+        assert b.create_completion(prompt + text, **greedy)["choices"][0]["text"] == expected
+        assert pool.stats["prompt_tokens_reused"] - reused >= state.n_tokens - 1
+
+        with pytest.raises(ValueError):
+            b.load_state(type(state)(input_ids=state.input_ids, scores=state.scores, n_tokens=state.n_tokens,
+                                     llama_state=state.llama_state[:-7], llama_state_size=len(state.llama_state) - 7,
+                                     seed=state.seed))
+        smol_llama.create_completion(prompt, max_tokens=2)
+        whole = smol_llama.save_state()  # a one-sequence context's state, logits included
+        b.load_state(whole)
+        assert b.n_tokens == whole.n_tokens
+        assert b.create_completion(prompt, max_tokens=2, temperature=0)["choices"][0]["text"]
+        pool.release(b)
+        with pytest.raises(ValueError, match="slot_id"):
+            pool.acquire(slot_id=3)
+
+
 def test_parallel_llama_errors(smol_llama):
     with pytest.raises(ValueError, match="n_parallel"):
         ParallelLlama(smol_llama, n_parallel=0)
@@ -402,8 +440,6 @@ def test_parallel_llama_errors(smol_llama):
     slot = pool.acquire()
     with pytest.raises(TimeoutError):
         pool.acquire(timeout=0.05)
-    with pytest.raises(NotImplementedError, match="save_state"):
-        slot.save_state()
     with pytest.raises(ValueError, match="exceed context window"):
         slot.create_completion("x " * 600, max_tokens=1)
     pool.release(slot)

@@ -717,8 +717,10 @@ def test_openapi_documents_what_the_server_answers(app, smollm2_path):
             assert "422" not in responses and "security" not in operation, path
             assert responses["200"]["content"]["application/json"]["schema"], path
             if "requestBody" in operation:
-                assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+                # Anthropic's Messages API answers errors in its own shape.
+                error = "AnthropicErrorResponse" if path == "/v1/messages" else "ErrorResponse"
+                assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{error}"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
 
     keyed = create_app(

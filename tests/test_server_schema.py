@@ -59,7 +59,12 @@ MAX_NEW_TOKENS = 2
 N_CTX = 256
 # Far above what a capped request needs (well under 10 s): hitting it means a hang.
 REQUEST_TIMEOUT = float(os.environ.get("SCHEMA_REQUEST_TIMEOUT", "60"))
-GENERATING = {"/v1/completions", "/v1/chat/completions"}
+GENERATING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+# The streams of these routes are named events ending in one of these types, not [DONE].
+NAMED_EVENT_ENDS = {
+    "/v1/responses": {"response.completed", "response.incomplete", "response.failed"},
+    "/v1/messages": {"message_stop", "error"},
+}
 
 # What the run sent and got, for the summary (and the checks of the last test).
 STATS: Dict[str, Any] = {
@@ -77,10 +82,12 @@ STATS: Dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(smollm2_path, tmp_path_factory):
     # One thread: on 2 cores shared with other jobs, two threads that wait on each other
     # at every layer run many times slower than one.
     args = ("--n_ctx", str(N_CTX), "--n_batch", str(N_CTX), "--embedding", "true", "--vram-budget", "0")
+    # The slot actions run for real (files in a folder of the test's own).
+    args += ("--slot-save-path", str(tmp_path_factory.mktemp("schema-slots")))
     args += ("--n_threads", "1", "--n_threads_batch", "1")
     with ServerProcess(smollm2_path, *args) as proc:  # it reads the server's output into proc.log
         started = time.monotonic()
@@ -159,12 +166,21 @@ def strict_json(ctx, response, case) -> None:
 
 
 def stream_completes(ctx, response, case) -> None:
-    """A stream ends with [DONE], and no event reports an internal error."""
+    """A stream ends with [DONE] (the Responses and Messages APIs: their last event), and no
+    event reports an internal error."""
     if not _header(response, "content-type").startswith("text/event-stream"):
         return
     data = _sse_data(response.content.decode("utf-8"))
     STATS["streams"] += 1
     STATS["stream_events"] += len(data)
+    ends = NAMED_EVENT_ENDS.get(case.operation.path)
+    if ends is not None:
+        events = [_strict_loads(payload) for payload in data]
+        for event in events:
+            assert event.get("type") != "error" or event.get("error", {}).get("type") != "api_error", event
+            assert event.get("type") != "response.failed", event
+        assert events and events[-1].get("type") in ends, f"the stream does not end with {ends}: {events[-2:]}"
+        return
     for payload in data:
         if payload != "[DONE]":
             error = _strict_loads(payload).get("error")
@@ -199,13 +215,16 @@ def _cap_generation(case) -> None:
     if case.operation.path not in GENERATING or not isinstance(case.body, dict):
         return
     body = case.body
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         # pydantic's lax mode takes 5000.0 and "5000" for 5000 too.
         value = _as_int(body.get(key))
         if value is not None and value > MAX_NEW_TOKENS:
             body[key] = MAX_NEW_TOKENS
-    if body.get("max_tokens") is None or _as_int(body["max_tokens"]) == 0:
-        body["max_tokens"] = MAX_NEW_TOKENS
+    if case.operation.path == "/v1/messages":
+        return  # max_tokens is required there: one left out stays out (a 400 to test)
+    key = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
+    if body.get(key) is None or _as_int(body[key]) == 0:
+        body[key] = MAX_NEW_TOKENS
 
 
 def _as_int(value: Any) -> Any:
@@ -254,6 +273,9 @@ STREAMS = {
         "logprobs": True,
         "top_logprobs": 2,
     },
+    "/v1/responses": {"input": "Count to three.", "max_output_tokens": 3, "temperature": 0, "stream": True},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 3, "temperature": 0,
+                     "stream": True, "model": "smollm2"},
 }
 
 

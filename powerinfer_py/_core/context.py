@@ -182,6 +182,22 @@ class Context(Handle):
         if rc != OK:
             raise core_error("Failed to set llama state data", rc)
 
+    def state_seq_save(self, seq: int) -> bytes:
+        """Sequence `seq`'s cached positions (keys and values, no logits), in state_save's format."""
+        ptr = self.ptr
+        size = int(lib.powerinfer_state_seq_size(ptr, seq))
+        buf = ffi.new("uint8_t[]", size)
+        n_bytes = int(lib.powerinfer_state_seq_save(ptr, seq, buf, size)) if size else 0
+        if n_bytes == 0:
+            raise core_error(f"could not save the state of sequence {seq}")
+        return ffi.buffer(buf, n_bytes)[:]
+
+    def state_seq_load(self, seq: int, data: bytes) -> None:
+        """Replace sequence `seq`'s cache with a state_seq_save() or state_save() of this model."""
+        rc = lib.powerinfer_state_seq_load(self.ptr, seq, ffi.from_buffer("uint8_t[]", data), len(data))
+        if rc != OK:
+            raise core_error(f"could not load the state of sequence {seq}", rc)
+
     # ---- counters --------------------------------------------------------------------------------
 
     def timings(self) -> Dict[str, float]:

@@ -180,7 +180,9 @@ def create_completion_stream(
         # seed unless the Llama was given one); -1 or LLAMA_DEFAULT_SEED per call: unseeded.
         self.set_seed(random.Random(self._seed).randint(0, 2**32) % LLAMA_DEFAULT_SEED)
 
+    _record_finish(self, prompt_tokens, [], None)  # the prompt's size, known from the first chunk on
     finish_reason = "length"
+    stop_found: Optional[bytes] = None
     multibyte_fix = 0
     # The completion's text, kept as tokens come: self.detokenize(completion_tokens) on every
     # token cost O(length) per token. The same bytes: the pieces joined, without the leading
@@ -238,6 +240,7 @@ def create_completion_stream(
             first_stop = any_stop[0]
             text = all_text[: all_text.index(first_stop)]
             finish_reason = "stop"
+            stop_found = first_stop
             break
 
         if stream:
@@ -471,6 +474,7 @@ def create_completion_stream(
                     }
                 ],
             }
+        _record_finish(self, prompt_tokens, completion_tokens, stop_found)
         yield {
             "id": completion_id,
             "object": "text_completion",
@@ -554,6 +558,7 @@ def create_completion_stream(
             "top_logprobs": top_logprobs,
         }
 
+    _record_finish(self, prompt_tokens, completion_tokens, stop_found)
     yield {
         "id": completion_id,
         "object": "text_completion",
@@ -572,4 +577,15 @@ def create_completion_stream(
             "completion_tokens": len(completion_tokens),
             "total_tokens": len(prompt_tokens) + len(completion_tokens),
         },
+    }
+
+
+def _record_finish(llama: Any, prompt_tokens: List[int], completion_tokens: List[int], stop: Optional[bytes]) -> None:
+    """What a completion's chunks do not say, for the server's other APIs (Anthropic's
+    stop_sequence, a stream's usage): its token counts and the stop string that ended it
+    (recorded when its generation starts, and again when it ends)."""
+    llama._last_finish = {
+        "prompt_tokens": len(prompt_tokens),
+        "completion_tokens": len(completion_tokens),
+        "stop_sequence": stop.decode("utf-8", errors="replace") if stop is not None else None,
     }

@@ -42,7 +42,15 @@ def save_state(llama: Any) -> "LlamaState":
 
 def load_state(llama: Any, state: "LlamaState") -> None:
     ctx = llama._require_ctx()
+    n_tokens = int(state.n_tokens)
+    if not 0 <= n_tokens <= min(llama.n_ctx(), len(state.input_ids)):
+        raise ValueError(f"the state holds {n_tokens} tokens; this context takes {llama.n_ctx()}")
     ctx.state_load(bytes(state.llama_state)[: state.llama_state_size])
+    if ctx.kv_pos() < n_tokens:
+        # The cache holds fewer positions than the tokens say (a state put together by hand):
+        # hold none rather than reuse positions that are not there.
+        llama._seq.restore(state.input_ids, 0, None)
+        raise ValueError(f"the state's cache holds {ctx.kv_pos()} positions, fewer than its {n_tokens} tokens")
     # As upstream: the next generate() decodes the last token again before sampling.
-    llama._seq.restore(state.input_ids, int(state.n_tokens), state.scores)
+    llama._seq.restore(state.input_ids, n_tokens, state.scores)
     llama._seed = state.seed

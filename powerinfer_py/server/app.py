@@ -8,6 +8,9 @@ as llama.cpp's and llama-cpp-python's servers are:
 - `requests.py`: request bodies -> Llama keyword arguments (grammar, logit bias, ...);
 - `streaming.py`: the pump that runs a stream off the event loop and the event stream;
 - `routes.py`, `metrics.py`, `openapi.py`: the handlers, /metrics, the OpenAPI document;
+- `responses_api.py`, `messages_api.py` (over `translate.py`): OpenAI's Responses and
+  Anthropic's Messages APIs on the chat completions engine; `slots.py`: GET /slots and slot
+  save/restore; `page.py` and `static/`: the chat page at /;
 - this file: the app itself (settings, exception handlers, the route table).
 """
 
@@ -33,9 +36,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import __version__
-from . import routes
+from . import messages_api, page, responses_api, routes, slots
 from .engine import ServerState
-from .errors import APIError, error_from_exception, error_response, json_response, validation_error
+from .errors import APIError, anthropic_error_response, error_from_exception, error_response, validation_error
 from .openapi import document_responses
 from .settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
 from .types import HealthResponse
@@ -107,13 +110,19 @@ def create_app(
     # The slots' batcher stops with the server (its streams end with an error, not a crash).
     app.router.on_shutdown.append(state.close)
 
+    def render(request: Request, error: APIError) -> Response:
+        # The Messages API's routes answer errors in Anthropic's shape, the others in OpenAI's.
+        if messages_api.is_messages_route(request.url.path):
+            return anthropic_error_response(error)
+        return error_response(error)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(exc))
+        return render(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -122,17 +131,14 @@ def create_app(
         else:
             message = str(exc.detail)
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        response = json_response(
-            {"error": {"message": message, "type": error_type, "param": None, "code": None}},
-            exc.status_code,
-        )
+        response = render(request, APIError(exc.status_code, message, type=error_type))
         # E.g. the Allow header of a 405, which RFC 9110 requires.
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        return error_response(error_from_exception(exc))
+        return render(request, error_from_exception(exc))
 
     openai_v1 = ["OpenAI V1"]
     auth = [Depends(routes.authenticate)]
@@ -145,10 +151,20 @@ def create_app(
         include_in_schema=False,
     )
     app.add_api_route("/v1/chat/completions", routes.create_chat_completion, methods=["POST"], dependencies=auth, tags=openai_v1, summary="Chat")
+    app.add_api_route("/v1/responses", responses_api.create_response, methods=["POST"], dependencies=auth, tags=openai_v1,
+                      summary="Responses")
+    app.add_api_route("/v1/messages", messages_api.create_message, methods=["POST"], dependencies=auth,
+                      tags=["Anthropic"], summary="Messages")
     app.add_api_route("/v1/embeddings", routes.create_embedding, methods=["POST"], dependencies=auth, tags=openai_v1, summary="Embedding")
     app.add_api_route("/v1/models", routes.get_models, methods=["GET"], dependencies=auth, tags=openai_v1, summary="Models")
     app.add_api_route("/health", routes.health, methods=["GET"], summary="Health", response_model=HealthResponse)
     app.add_api_route("/props", routes.props, methods=["GET"], dependencies=auth, summary="Server properties")
+    app.add_api_route("/slots", slots.get_slots, methods=["GET"], dependencies=auth, summary="Slots")
+    app.add_api_route("/slots/{id_slot}", slots.slot_action, methods=["POST"], dependencies=auth,
+                      summary="Save, restore or erase a slot's prompt cache")
+    # The chat page (static files of the package; the page calls the routes above).
+    app.add_api_route("/", page.index, methods=["GET"], include_in_schema=False)
+    app.mount("/static", page.static_files(), name="static")
     # Prometheus text, not JSON: outside the OpenAPI document.
     app.add_api_route("/metrics", routes.metrics, methods=["GET"], dependencies=auth, include_in_schema=False)
     extras = ["Extras"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -87,6 +88,24 @@ def _speculative_counters(st: Dict[str, Any]) -> Dict[str, Optional[float]]:
     }
 
 
+# A request's fields that GET /slots shows as its task's "params", under llama-server's names.
+_TASK_PARAMS = (("max_tokens", "n_predict"), ("seed", "seed"), ("temperature", "temperature"), ("top_k", "top_k"),
+                ("top_p", "top_p"), ("min_p", "min_p"), ("repeat_penalty", "repeat_penalty"),
+                ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                ("mirostat_mode", "mirostat"), ("mirostat_tau", "mirostat_tau"), ("mirostat_eta", "mirostat_eta"),
+                ("stop", "stop"), ("stream", "stream"), ("grammar", "grammar"))
+
+
+def _task_params(body: Any) -> Dict[str, Any]:
+    params = {name: getattr(body, field) for field, name in _TASK_PARAMS if hasattr(body, field)}
+    if "n_predict" in params:
+        params["n_predict"] = params["n_predict"] or -1  # 0 or null: until the context is full
+        params["max_tokens"] = params["n_predict"]
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    return params
+
+
 def _start_thread(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
     """fn() on a new daemon thread; the future completes when it returns."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -142,7 +161,23 @@ class _SerialEngine:
     def requests_waiting(self) -> int:
         return self._state.lock_waiting()
 
-    def counters(self) -> Dict[str, Optional[float]]:
+    # ---- slots (one: the model itself) --------------------------------------------------
+
+    def slot_id(self, llama: Any) -> int:
+        return 0
+
+    def slots(self) -> List[Any]:
+        proxy = self._state.proxy
+        return [proxy.current if proxy is not None else None]
+
+    async def acquire_slot(self, slot_id: int) -> Tuple[Any, Callable[[], None]]:
+        """The model, for work on its cache (a slot's save or restore), under the model lock."""
+        return await self.acquire_generation(None)
+
+    async def run_on_slot(self, fn: Callable[[], Any]) -> Any:
+        return await self._state.model_thread.run(fn)
+
+    def counters(self) -> Dict[str, Any]:
         """The metrics of the loaded Llama's counters; read without the model lock (they are
         plain counters: a scrape never waits for a generation)."""
         proxy = self._state.proxy
@@ -150,13 +185,15 @@ class _SerialEngine:
         if llama is None or getattr(llama, "_fallback", None) is not None:
             return {}
         t = llama.timings()
+        sparse = llama.sparse_stats()
         return {
             "slots_busy": self._state.lock_busy(),
             "tokens_generated_total": t["n_eval"],
             "prompt_tokens_total": t["n_prompt"],
             "busy_seconds_total": (t["t_eval_ms"] + t["t_prompt_ms"]) / 1000,
             "tokens_per_second": t["n_eval"] / t["t_eval_ms"] * 1000 if t["t_eval_ms"] else 0.0,
-            "sparse_active_fraction": llama.sparse_stats()["active"],
+            "sparse_active_fraction": sparse["active"],
+            "sparse_layers": sparse["counts"],
             **_speculative_counters(llama.speculative_stats()),
         }
 
@@ -210,10 +247,39 @@ class _SlotEngine:
     def start_pump(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         return _start_thread(fn, "powerinfer-stream")
 
+    # ---- slots ----------------------------------------------------------------------------
+
+    def slot_id(self, llama: Any) -> int:
+        return self.pool.slot_id(llama)
+
+    def slots(self) -> List[Any]:
+        return list(self.pool.slots) if self.pool is not None else [None] * self.n_parallel
+
+    async def acquire_slot(self, slot_id: int) -> Tuple[Any, Callable[[], None]]:
+        """Slot `slot_id`, once it is free (llama-server defers a busy slot's action the same
+        way), admitted like a request: a request admitted meanwhile finds another slot free."""
+        self._state.require_proxy()
+        slot = None
+
+        def give_back() -> None:
+            if slot is not None:
+                self.pool.release(slot)
+
+        release = await _acquire(self._slots, give_back)
+        try:
+            slot = await run_in_threadpool(self.pool.acquire, None, slot_id)
+        except BaseException:
+            release()
+            raise
+        return slot, release
+
+    async def run_on_slot(self, fn: Callable[[], Any]) -> Any:
+        return await run_in_threadpool(fn)
+
     def requests_waiting(self) -> int:
         return self._slots.statistics().tasks_waiting
 
-    def counters(self) -> Dict[str, Optional[float]]:
+    def counters(self) -> Dict[str, Any]:
         """The pool's counters, as of its last step (they never wait for a step)."""
         pool = self.pool
         if pool is None:
@@ -234,6 +300,7 @@ class _SlotEngine:
             if st["busy_seconds"] else 0.0,
             "kv_cells_used": st["kv_cells_used"],
             "sparse_active_fraction": st["sparse_active"] / st["sparse_total"] if st["sparse_total"] else None,
+            "sparse_layers": pool.sparse_layer_counts(),
             **_speculative_counters(pool.speculative_stats()),
         }
 
@@ -286,6 +353,9 @@ class ServerState:
             "generations_cancelled": 0,
         }
         self.last_stream: Dict[str, Any] = {}
+        # Per slot id, its running (or last) task, for GET /slots: id_task, params, n_decoded...
+        self.slot_tasks: Dict[int, Dict[str, Any]] = {}
+        self._task_ids = itertools.count()
         # Running streams, oldest first, and those told to end for a waiting request
         # (--interrupt_requests); touched on the event loop only.
         self._streams: List[object] = []
@@ -345,18 +415,20 @@ class ServerState:
         """Wait for the model lock; returns the (idempotent) release function."""
         return await _acquire(self._lock)
 
-    async def acquire_generation(self, model: Optional[str],
-                                 draft: Optional[Dict[str, Any]] = None) -> Tuple[Any, Callable[[], None]]:
+    async def acquire_generation(self, model: Optional[str], draft: Optional[Dict[str, Any]] = None,
+                                 body: Any = None) -> Tuple[Any, Callable[[], None]]:
         """The Llama a completion runs on (a free slot with n_parallel > 1) and its release;
         `draft`: drafting parameters for this request (Llama's draft_max, draft_min,
-        draft_p_min), in force until the release. 503 once the server is shutting down (a
-        request that waited for a slot meanwhile too)."""
+        draft_p_min), in force until the release; `body`: the request, whose parameters GET
+        /slots shows while it runs. 503 once the server is shutting down (a request that waited
+        for a slot meanwhile too)."""
         if self.shutting_down:
             raise self.shutdown_error()
         llama, release = await self.engine.acquire_generation(model)
         if self.shutting_down:
             release()
             raise self.shutdown_error()
+        release = self._track_task(llama, body, release)
         if not draft or getattr(llama, "_fallback", None) is not None:
             return llama, release
         try:
@@ -373,6 +445,27 @@ class ServerState:
 
         return llama, release_and_restore
 
+    def _track_task(self, llama: Any, body: Any, release: Callable[[], None]) -> Callable[[], None]:
+        """Record the request as its slot's task (GET /slots) until `release`, which is returned
+        wrapped: the record stays, not processing, as the slot's last task."""
+        slot_id = self.engine.slot_id(llama)
+        task = {"id_task": next(self._task_ids), "is_processing": True, "n_decoded": 0,
+                "stream": bool(getattr(body, "stream", False)), "params": _task_params(body)}
+        self.slot_tasks[slot_id] = task
+
+        def release_and_record() -> None:
+            task["is_processing"] = False
+            release()
+
+        return release_and_record
+
+    def task_of(self, llama: Any) -> Optional[Dict[str, Any]]:
+        """The task record of the slot `llama` is (None for a Llama that is no slot)."""
+        try:
+            return self.slot_tasks.get(self.engine.slot_id(llama))
+        except ValueError:
+            return None
+
     async def run_generation(self, fn: Callable[[], Any]) -> Any:
         """A completion's work: on the model thread, or with slots on a worker thread of
         its own (slots step together; their decodes run on the pool's engine)."""
@@ -381,6 +474,27 @@ class ServerState:
     def start_pump(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """A stream's pump loop: on the model thread, or with slots on a thread of its own."""
         return self.engine.start_pump(fn)
+
+    async def acquire_slot(self, slot_id: int) -> Tuple[Any, Callable[[], None]]:
+        """Slot `slot_id` (the model itself without --n_parallel) once it is free, for work on its
+        cache, and its release; 503 once the server is shutting down."""
+        if self.shutting_down:
+            raise self.shutdown_error()
+        if not 0 <= slot_id < self.n_parallel:
+            raise APIError(400, f"Invalid slot id {slot_id}: this server has slots 0 to {self.n_parallel - 1}",
+                           param="id_slot", code="invalid_value")
+        return await self.engine.acquire_slot(slot_id)
+
+    async def run_on_slot(self, fn: Callable[[], Any]) -> Any:
+        """Work on a slot acquired with acquire_slot: on the model thread, or a worker thread."""
+        return await self.engine.run_on_slot(fn)
+
+    def proxy_model_path(self) -> str:
+        """The file of the model being served."""
+        path = self.require_proxy().current_path
+        if path is None:
+            raise APIError(503, "no model is loaded", type="unavailable_error", code="loading")
+        return path
 
     def close(self) -> None:
         """At shutdown: stop the engine (a pool's batcher; the model stays with the proxy)."""

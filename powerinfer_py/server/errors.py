@@ -8,7 +8,7 @@ import json
 import re
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -16,7 +16,8 @@ from fastapi.responses import Response
 from .._core import PowerInferError
 from .types import CreateChatCompletionRequest
 
-__all__ = ["APIError", "dumps", "json_response", "error_response", "error_from_exception", "validation_error"]
+__all__ = ["APIError", "dumps", "json_response", "error_response", "error_from_exception", "validation_error",
+           "anthropic_error_body", "anthropic_error_response"]
 
 # PowerInferError statuses that mean the request, not the server, is at fault (a grammar no
 # token can satisfy is INVALID_ARG).
@@ -66,6 +67,23 @@ def json_response(content: Any, status_code: int = 200) -> Response:
 
 def error_response(error: APIError) -> Response:
     return json_response({"error": error.body}, error.status_code)
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status_code: int, message: str) -> Dict[str, Any]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error_response(error: APIError) -> Response:
+    """An error of the Anthropic Messages API's routes, in its shape (same status)."""
+    return json_response(anthropic_error_body(error.status_code, error.body["message"]), error.status_code)
 
 
 def context_length_error(

@@ -32,6 +32,15 @@ _ENGINE_METRICS: Dict[str, Tuple[str, str]] = {
 }
 
 
+# Per layer, labelled layer="N": the counts behind the sparse active share (the rate of the
+# first over the rate of the second is the share of the last interval).
+_LAYER_METRICS = (
+    ("sparse_layer_neurons_active_total",
+     "FFN neurons the sparse steps computed, per layer (input mode: input entries read)"),
+    ("sparse_layer_neurons_total", "FFN neurons the sparse steps considered, per layer (input mode: input entries)"),
+)
+
+
 def metrics_text(state: ServerState) -> str:
     rows: List[Tuple[str, str, str, float]] = []
 
@@ -50,4 +59,9 @@ def metrics_text(state: ServerState) -> str:
     out = []
     for name, kind, help_text, value in rows:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+    layers = counters.get("sparse_layers") or []
+    if any(total for _, total in layers):  # a model that ran sparse steps (the page plots these)
+        for k, (name, help_text) in enumerate(_LAYER_METRICS):
+            out += [f"# HELP powerinfer_{name} {help_text}", f"# TYPE powerinfer_{name} counter"]
+            out += [f'powerinfer_{name}{{layer="{il}"}} {counts[k]:g}' for il, counts in enumerate(layers)]
     return "\n".join(out) + "\n"

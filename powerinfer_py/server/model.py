@@ -200,6 +200,11 @@ class ModelProxy:
         """The loaded model (None while a swap failed)."""
         return self._current
 
+    @property
+    def current_path(self) -> Optional[str]:
+        """The file of the loaded model (None while a swap failed)."""
+        return self._settings[self._current_alias].model if self._current_alias is not None else None
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._settings)
 

@@ -55,6 +55,8 @@ async def authenticate(
         return True
     if authorization is not None and authorization.credentials == api_key:
         return True
+    if request.headers.get("x-api-key") == api_key:  # Anthropic's clients send the key so
+        return True
     raise APIError(401, "Invalid API key", code="invalid_api_key")
 
 
@@ -62,26 +64,31 @@ async def create_completion(request: Request, body: CreateCompletionRequest) -> 
     kwargs = completion_kwargs(body)
     if body.stream:
         return await stream_response(request, body, kwargs, "create_completion")
-    return await _run_model(request, body, kwargs, "create_completion")
+    return await run_model(request, body, kwargs, "create_completion")
 
 
 async def create_chat_completion(request: Request, body: CreateChatCompletionRequest) -> Response:
     kwargs = chat_kwargs(body)
     if body.stream:
         return await stream_response(request, body, kwargs, "create_chat_completion")
-    return await _run_model(request, body, kwargs, "create_chat_completion")
+    return await run_model(request, body, kwargs, "create_chat_completion")
 
 
-async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method: str) -> Response:
+async def run_model(request: Request, body: Any, kwargs: Dict[str, Any], method: str,
+                    convert: Optional[Callable[[Any, Any], Any]] = None,
+                    render_error: Callable[[APIError], Response] = error_response) -> Response:
     """A whole (non-streamed) completion. If the client disconnects meanwhile (its timeout,
     say), the generation stops at its next prompt slice or token and frees the model for the
     queue, instead of running on to max_tokens or the end of the context for nobody; so does a
-    server shutting down (503)."""
+    server shutting down (503).
+
+    `convert(result, llama)` turns the result into another API's answer, before the slot is
+    given back; `render_error` answers errors in that API's shape."""
     state = _state(request)
     try:
-        llama, release = await state.acquire_generation(body.model, draft_overrides(body))
+        llama, release = await state.acquire_generation(body.model, draft_overrides(body), body)
     except Exception as exc:
-        return error_response(error_from_exception(exc, body))
+        return render_error(error_from_exception(exc, body))
     cancelled = CancelEvent()
     try:
         with state.stopped_at_shutdown(cancelled.set):
@@ -90,14 +97,16 @@ async def _run_model(request: Request, body: Any, kwargs: Dict[str, Any], method
             prepare_kwargs(llama, body, kwargs, cancelled)
             result = await run_until_disconnect(request, cancelled, state.run_generation,
                                                 lambda: getattr(llama, method)(**kwargs))
+            if convert is not None:
+                result = convert(result, llama)
     except GenerationCancelled:
         if state.shutting_down:
-            return error_response(state.shutdown_error())
+            return render_error(state.shutdown_error())
         state.stats["generations_cancelled"] += 1
         print(f"powerinfer_py.server: client {request.client} disconnected; generation stopped", file=sys.stderr)
-        return error_response(APIError(400, "Client closed request"))
+        return render_error(APIError(400, "Client closed request"))
     except Exception as exc:
-        return error_response(error_from_exception(exc, body))
+        return render_error(error_from_exception(exc, body))
     finally:
         release()
     return json_response(result)

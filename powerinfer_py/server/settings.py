@@ -244,6 +244,11 @@ class ServerSettings(BaseSettings):
         description="Requests served at once, in slots that share one model and decode in one batch "
         "(llama.cpp's -np); each slot keeps the full n_ctx.",
     )
+    slot_save_path: Optional[str] = Field(
+        default=None,
+        description="Folder for POST /slots/{id}?action=save|restore (llama-server's --slot-save-path); unset: "
+        "slot save and restore are off.",
+    )
     disable_ping_events: bool = Field(
         default=False,
         description="Disable EventSource pings (may be needed for some clients).",

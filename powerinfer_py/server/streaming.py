@@ -20,7 +20,7 @@ from .errors import APIError, dumps, error_from_exception, error_response
 from .requests import GenerationCancelled, draft_overrides, prepare_kwargs, run_until_disconnect
 from .types import CreateChatCompletionRequest, CreateCompletionRequest
 
-__all__ = ["stream_response"]
+__all__ = ["ChunkEvents", "sse_event", "stream_response"]
 
 _END = object()  # sentinel of next(iterator, _END)
 
@@ -151,6 +151,41 @@ _SSE_DONE = b"data: [DONE]\n\n"
 _PING_INTERVAL_S = 15.0  # a comment line when nothing else was sent for this long
 
 
+def sse_event(data: Any, event: Optional[str] = None) -> bytes:
+    """One server-sent event: `event: NAME` (if named) and `data: JSON`."""
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + dumps(data).encode() + b"\n\n"
+
+
+class ChunkEvents:
+    """How a stream's chunks become server-sent events. This one is OpenAI's completions and
+    chat completions: each chunk a `data:` event, `data: [DONE]` at the end, an error as
+    `data: {"error": ...}`. The Responses and Messages APIs translate the same chat chunks into
+    events of their own (subclasses in responses.py and messages.py); one object per stream."""
+
+    def chunk(self, chunk: Any) -> bytes:
+        return sse_event(chunk)
+
+    def end(self) -> bytes:
+        """After the last chunk (or with no chunk at all)."""
+        return _SSE_DONE
+
+    def error(self, error: APIError) -> bytes:
+        """A failure after the response started; the stream ends."""
+        return sse_event({"error": error.body})
+
+    def shutdown(self, error: APIError) -> bytes:
+        """The server is shutting down: the last events of the stream."""
+        return self.error(error) + _SSE_DONE
+
+    def interrupted(self) -> bytes:
+        """Ended early for a waiting request (--interrupt_requests)."""
+        return _SSE_DONE
+
+    def ping(self) -> bytes:
+        return b": ping\n\n"
+
+
 class EventStream(Response):
     """The text/event-stream response of a streamed completion, on ASGI directly.
 
@@ -164,16 +199,16 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, state: ServerState, body: Any, first: Any, iterator: Iterator[Any],
-                 close: Callable[[], None], on_handover: Callable[[], None], cancelled: threading.Event):
+                 close: Callable[[], None], on_handover: Callable[[], None], cancelled: threading.Event,
+                 events: ChunkEvents, task: Optional[Dict[str, Any]] = None):
         super().__init__(status_code=200)
         self._state, self._body, self._first, self._iterator = state, body, first, iterator
         self._close, self._on_handover, self._cancelled = close, on_handover, cancelled
-
-    def _event(self, chunk: Any) -> bytes:
-        return b"data: " + dumps(chunk).encode() + b"\n\n"
+        self._events = events
+        self._task = task if task is not None else {}  # its slot's task record (GET /slots): n_decoded
 
     async def __call__(self, scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
-        state = self._state
+        state, events = self._state, self._events
         sent, outcome = 0, "disconnected"
         pump: Optional[StreamPump] = None
         client_left = False
@@ -212,9 +247,9 @@ class EventStream(Response):
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 if self._first is _END:
                     outcome = "completed"
-                    await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
+                    await send({"type": "http.response.body", "body": events.end(), "more_body": False})
                     return
-                await send({"type": "http.response.body", "body": self._event(self._first), "more_body": True})
+                await send({"type": "http.response.body", "body": events.chunk(self._first), "more_body": True})
                 sent = 1
                 self._on_handover()
                 pump = StreamPump(self._iterator, state.start_pump, self._cancelled)
@@ -224,8 +259,7 @@ class EventStream(Response):
                 while True:
                     if shutdown:
                         outcome = "shutdown"
-                        error = {"error": state.shutdown_error().body}
-                        await send({"type": "http.response.body", "body": self._event(error) + _SSE_DONE,
+                        await send({"type": "http.response.body", "body": events.shutdown(state.shutdown_error()),
                                     "more_body": False})
                         return
                     if client_left:
@@ -234,23 +268,24 @@ class EventStream(Response):
                         return
                     if state.should_interrupt(self):
                         outcome = "interrupted"
-                        await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
+                        await send({"type": "http.response.body", "body": events.interrupted(), "more_body": False})
                         return
                     items = await pump.take()
                     out: List[bytes] = []
                     if ping_due:
                         ping_due = False
-                        out.append(b": ping\n\n")
+                        out.append(events.ping())
                     for kind, value in items:
                         if kind == "chunk":
-                            out.append(self._event(value))
+                            out.append(events.chunk(value))
                             sent += 1
                         elif kind == "end":
                             outcome = "completed"
-                            out.append(_SSE_DONE)
+                            out.append(events.end())
                         else:  # headers are sent: report in the stream, as OpenAI does, and end it
                             outcome = "failed"
-                            out.append(self._event({"error": error_from_exception(value, self._body).body}))
+                            out.append(events.error(error_from_exception(value, self._body)))
+                    self._task["n_decoded"] = sent
                     if out:
                         await send({"type": "http.response.body", "body": b"".join(out),
                                     "more_body": outcome == "disconnected"})
@@ -272,6 +307,8 @@ async def stream_response(
     body: Union[CreateCompletionRequest, CreateChatCompletionRequest],
     kwargs: Dict[str, Any],
     method: str,
+    events: Optional[Callable[[Any], ChunkEvents]] = None,
+    render_error: Callable[[APIError], Response] = error_response,
 ) -> Response:
     """Start a streamed completion under the model lock (or on a slot).
 
@@ -280,12 +317,16 @@ async def stream_response(
     rest comes through a StreamPump. The generation's cancel check is set if the client
     disconnects or the server shuts down meanwhile, which stops the prompt at its next
     slice; later the pump sets it.
+
+    `events(llama)` makes the stream's ChunkEvents (default: OpenAI's chunks), given the Llama
+    the generation runs on; `render_error` answers an error before the stream starts (another
+    API's error body).
     """
     state: ServerState = request.app.state.powerinfer
     try:
-        llama, release = await state.acquire_generation(body.model, draft_overrides(body))
+        llama, release = await state.acquire_generation(body.model, draft_overrides(body), body)
     except Exception as exc:
-        return error_response(error_from_exception(exc, body))
+        return render_error(error_from_exception(exc, body))
     iterator: Optional[Iterator[Any]] = None
     handed_over = False  # the pump owns the iterator from then on
 
@@ -326,12 +367,13 @@ async def stream_response(
         close()
         if isinstance(exc, GenerationCancelled):
             if state.shutting_down:
-                return error_response(state.shutdown_error())
+                return render_error(state.shutdown_error())
             state.stats["generations_cancelled"] += 1
             print(f"powerinfer_py.server: client {request.client} disconnected; generation stopped", file=sys.stderr)
-            return error_response(APIError(400, "Client closed request"))
+            return render_error(APIError(400, "Client closed request"))
         if isinstance(exc, Exception):
-            return error_response(error_from_exception(exc, body))
+            return render_error(error_from_exception(exc, body))
         raise
-    return EventStream(state, body, first, iterator, close, handover, cancelled)
+    return EventStream(state, body, first, iterator, close, handover, cancelled,
+                       events(llama) if events is not None else ChunkEvents(), state.task_of(llama))
 

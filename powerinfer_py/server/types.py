@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 # Counts and token ids reach the C core as 32-bit ints: larger values are rejected here
 # (400) instead of overflowing on the way (llama_cpp.server answers those with a 500).
@@ -497,3 +497,82 @@ class HealthResponse(BaseModel):
     )
     engine: Optional[str]
     requests_waiting: int
+
+
+# ---- OpenAI's Responses API, Anthropic's Messages API, llama-server's slots (documentation)
+
+
+class ResponseObject(BaseModel):
+    """POST /v1/responses: a Response (OpenAI's Responses API); with stream=true, its events."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str = Field(description='"completed", or "incomplete" when max_output_tokens ended it')
+    model: str
+    output: List[Dict[str, Any]] = Field(description="A message item and/or function_call items")
+    usage: Optional[Dict[str, Any]] = None
+
+
+class AnthropicMessageResponse(BaseModel):
+    """POST /v1/messages: a Message (Anthropic's Messages API); with stream=true, its events."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: List[Dict[str, Any]] = Field(description="text and tool_use blocks")
+    stop_reason: Optional[str] = Field(description="end_turn, max_tokens, stop_sequence or tool_use")
+    stop_sequence: Optional[str] = None
+    usage: Dict[str, int]
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description='"invalid_request_error", "authentication_error", "not_found_error", "api_error", ...')
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error answer of /v1/messages, Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class SlotState(BaseModel):
+    """One slot of GET /slots (llama-server's fields; n_past: tokens its cache holds)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: int
+    id_task: int
+    n_ctx: int
+    speculative: bool
+    is_processing: bool
+    params: Dict[str, Any]
+    next_token: Dict[str, Any]
+    n_past: int
+
+
+class SlotsResponse(RootModel[List[SlotState]]):
+    """GET /slots: every slot, by id."""
+
+
+class SlotActionResponse(BaseModel):
+    """POST /slots/{id_slot}?action=save (n_saved, n_written), restore (n_restored, n_read) or
+    erase (n_erased), llama-server's fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id_slot: int
+    filename: Optional[str] = None
+    n_saved: Optional[int] = None
+    n_written: Optional[int] = None
+    n_restored: Optional[int] = None
+    n_read: Optional[int] = None
+    n_erased: Optional[int] = None
+    timings: Optional[Dict[str, float]] = None

@@ -469,6 +469,15 @@ POWERINFER_API struct powerinfer_batcher_stats powerinfer_batcher_get_stats(stru
 POWERINFER_API size_t  powerinfer_state_size(const struct powerinfer_context * ctx);
 POWERINFER_API size_t  powerinfer_state_save(const struct powerinfer_context * ctx, uint8_t * dst, size_t dst_size);
 POWERINFER_API int32_t powerinfer_state_load(struct powerinfer_context * ctx, const uint8_t * src, size_t src_size);
+// The same for sequence seq of a context with several (a ParallelLlama slot, between two
+// steps of its batcher): its positions 0..n-1, wherever their cells are, without logits.
+// Load replaces what the sequence held, into free cells (CONTEXT_FULL, nothing changed, if
+// too few are free), and takes a one-sequence context's state too (its logits left out).
+POWERINFER_API size_t  powerinfer_state_seq_size(const struct powerinfer_context * ctx, int32_t seq);
+POWERINFER_API size_t  powerinfer_state_seq_save(const struct powerinfer_context * ctx, int32_t seq, uint8_t * dst,
+                                                 size_t dst_size);
+POWERINFER_API int32_t powerinfer_state_seq_load(struct powerinfer_context * ctx, int32_t seq, const uint8_t * src,
+                                                 size_t src_size);
 
 // Active FFN neurons of layer il summed over the sparse steps since the last reset
 // (n_total: neurons considered). Steps through ggml's dense matmul are not counted. In
