@@ -227,3 +227,46 @@ def test_llama_cpp_tools_load_the_module_by_path(sparse40, cli_path):
     # without the variable, the tool runs as it always did: no module
     r = subprocess.run([str(build / "bin" / "test-backend-path"), path, "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "PowerInfer" not in r.stdout
+
+
+@pytest.fixture(scope="module")
+def gemma40(gemma_path, tmp_path_factory):
+    """Gemma-3-270M (gemma3: an architecture the core does not build), sparsified by the
+    command's own path for it (sparsify -> the module's calibration) at 40%."""
+    from powerinfer_py.pipeline.sparsify import sparsify
+
+    d = tmp_path_factory.mktemp("gemma")
+    corpus = d / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = d / "gemma.input40.gguf"
+    r = sparsify(gemma_path, str(out), 0.4, [str(corpus)], n_tokens=512, allocation="measured", progress=False)
+    assert r["allocation"].startswith("greedy (measured needs the core's graph")  # said, not silently changed
+    return str(out)
+
+
+def test_gemma_runs_sparse_through_llama_and_main(gemma_path, gemma40, cli_path, ref_llama):
+    from powerinfer_py import Llama
+
+    llm = Llama(model_path=gemma40, n_ctx=128, n_threads=2, verbose=False)
+    try:
+        assert llm.engine == "llama-cpp-python"
+        text = llm("The capital of France is", max_tokens=16, temperature=0.0)["choices"][0]["text"]
+        st = llm.sparse_stats()
+        assert st["mode"] == "input" and 0.2 < st["active"] < 0.95 and st["kernels"], st
+        assert text.strip()
+    finally:
+        llm.close()
+    dense = Llama(model_path=gemma40, n_ctx=128, n_threads=2, verbose=False, sparse_mode="dense")
+    try:
+        assert dense.sparse_stats()["mode"] == "dense"
+    finally:
+        dense.close()
+    r = subprocess.run([str(cli_path), "-m", gemma40, "-p", "The capital of France is", "-n", "8", "--temp", "0", "-t", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "engine      = libllama" in r.stderr and "sparse mode = input (the module:" in r.stderr
+    assert r.stdout.startswith("The capital of France is") and len(r.stdout.strip()) > len("The capital of France is")
+    # the core's own features are refused with a message, before anything loads
+    r = subprocess.run([str(cli_path), "-m", gemma40, "-p", "hi", "-n", "1", "--vram-budget", "4"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "--vram-budget" in r.stderr
