@@ -23,7 +23,7 @@ import numpy as np
 
 from .._core import Context, Model
 from ..formats.gguf_io import KEY_GATE_THRESHOLDS, copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, check_output, files, read_corpus, run_cli, same_file, token_chunks
+from .common import PipelineError, check_output, files, read_corpus, run_chunks, run_cli, same_file
 
 T = TypeVar("T")
 
@@ -37,17 +37,8 @@ def decode_calibration(model_path: str, texts: Sequence[str], n_tokens: int, rea
     too short for that)."""
     with Model(model_path, sparse_mode="dense") as model, \
             Context(model, n_ctx=chunk, n_batch=chunk, n_threads=n_threads, collect_activations=True) as ctx:
-        chunks = token_chunks(lambda t: model.tokenize(t.encode(), True, False), texts, n_tokens // chunk, chunk, spread)
-        if not chunks:
-            raise PipelineError(f"the calibration text has fewer than {chunk} tokens (one chunk)")
-        used = sum(len(c) for c in chunks)
-        bar = Progress("calibrating", used, progress)
-        done = 0
-        for c in chunks:
-            ctx.decode(c, 0)
-            done += len(c)
-            bar.update(done)
-        bar.close()
+        used = run_chunks(lambda t: model.tokenize(t.encode(), True, False), lambda c: ctx.decode(c, 0), texts, n_tokens,
+                          chunk, spread, progress)
         return read(ctx), used
 
 

@@ -165,6 +165,24 @@ def token_chunks(tokenize: Callable[[str], List[int]], texts: Sequence[str], n: 
     return [tokens[k : k + length] for k in range(0, end - length + 1, length)]
 
 
+def run_chunks(tokenize: Callable[[str], List[int]], run: Callable[[List[int]], None], texts: Sequence[str], n_tokens: int,
+               chunk: int, spread: bool, progress: bool) -> int:
+    """Calibration's loop: up to n_tokens of the texts in chunks of `chunk` tokens
+    (token_chunks), each given to run() with a progress bar; returns the tokens used."""
+    chunks = token_chunks(tokenize, texts, n_tokens // chunk, chunk, spread)
+    if not chunks:
+        raise PipelineError(f"the calibration text has fewer than {chunk} tokens (one chunk)")
+    used = sum(len(c) for c in chunks)
+    bar = Progress("calibrating", used, progress)
+    done = 0
+    for c in chunks:
+        run(c)
+        done += len(c)
+        bar.update(done)
+    bar.close()
+    return used
+
+
 def read_corpus(files: Sequence[str]) -> List[str]:
     """The texts of the corpus files: plain text, or the samples of a `powerinfer sample`
     .jsonl file (its texts joined by blank lines)."""

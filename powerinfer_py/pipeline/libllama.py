@@ -22,7 +22,7 @@ import numpy as np
 
 from .._core import accel
 from ..formats.gguf_io import copy_kv, finish, new_writer, open_gguf
-from .common import PipelineError, Progress, same_file, token_chunks
+from .common import PipelineError, run_chunks, same_file
 
 KEY_NAMES = "powerinfer.tensor_thresholds.names"
 KEY_VALUES = "powerinfer.tensor_thresholds.values"
@@ -59,19 +59,12 @@ def tensor_histograms(model_path: str, texts: Sequence[str], n_tokens: int, thre
     with accel.armed(None, accel.CALIBRATE) as (tag, _):
         llm = _llama(model_path, chunk, chunk, threads)
     try:
-        chunks = token_chunks(lambda t: llm.tokenize(t.encode(), add_bos=True, special=False), texts, n_tokens // chunk,
-                              chunk, True)
-        if not chunks:
-            raise PipelineError(f"the calibration text has fewer than {chunk} tokens (one chunk)")
-        used = sum(len(c) for c in chunks)
-        bar = Progress("calibrating", used, progress)
-        done = 0
-        for c in chunks:
+        def run(c: List[int]) -> None:
             llm.reset()
             llm.eval(c)
-            done += len(c)
-            bar.update(done)
-        bar.close()
+
+        used = run_chunks(lambda t: llm.tokenize(t.encode(), add_bos=True, special=False), run, texts, n_tokens, chunk,
+                          True, progress)
         weights = [w for w in accel.weights(tag) if w["calibrated"]]
         if not weights:
             raise PipelineError(f"{model_path}: no matmul weight of a type the sparse kernels take "
