@@ -270,3 +270,18 @@ def test_gemma_runs_sparse_through_llama_and_main(gemma_path, gemma40, cli_path,
     r = subprocess.run([str(cli_path), "-m", gemma40, "-p", "hi", "-n", "1", "--vram-budget", "4"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and "--vram-budget" in r.stderr
+
+
+def test_bench_accel_prints_its_table(smollm2_path, sparse40, capsys):
+    """`python -m powerinfer_py.bench accel` end to end: the module's pass-through and sparse
+    rows against llama-cpp-python, with the byte-count ideal (speed is not judged here)."""
+    from powerinfer_py.bench import accel as bench_accel
+
+    path, _ = sparse40
+    assert bench_accel.main(["--model", smollm2_path, "--sparse", path, "--n-gen", "4", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "module, pass-through" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "module" in ln]
+    assert len(rows) == 2 and "GB/s" in out and "powerinfer kernels:" in out
+    ideal = float(rows[1].split("|")[6].strip().rstrip("x"))
+    assert ideal > 1.1  # 40% of the bytes dropped: the ideal is well above 1
