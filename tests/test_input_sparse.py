@@ -270,3 +270,39 @@ def test_very_long_columns_cut_into_row_pieces_only(tmp_path, driver, rows):
     _check(out, x, tau, 32, ["q4_0", "q8_0"])
     for threads in (1, 5):
         assert np.array_equal(_run(tmp_path, segs, x, tau, threads=threads, driver=driver)["y"], out["y"])
+
+
+def _extreme_rows(n_in, rng):
+    """Rows whose quants sit at the ends of their range (all the top, a top with the bottom
+    every 16 or 32 columns, alternating signs): the 16-bit sums of the AVX2 kernel at their limits."""
+    pats = [np.full(n_in, -1.0), np.full(n_in, 1.0)]
+    for a, b, step in ((-31 / 32, 1.0, 16), (31 / 32, -1.0, 16), (1.0, 0.0, 32)):
+        r = np.full(n_in, a)
+        r[::step] = b
+        pats.append(r)
+    r = np.zeros(n_in)
+    r[::32] = 1.0
+    pats.append(1.0 - r)
+    pats.append(np.where(np.arange(n_in) % 2 == 0, 1.0, -1.0))
+    w = np.stack([pats[i % len(pats)] for i in range(144)]).astype(np.float32)
+    return w * rng.uniform(0.5, 2.0, size=(144, 1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=lambda d: d.id)
+@pytest.mark.parametrize("types", [["q4_K"], ["q6_K"], ["q4_K", "q6_K"], ["q4_0"], ["q4_1"], ["q4_K", "q5_K", "q6_K"]],
+                         ids=lambda t: "+".join(t))
+def test_sums_at_their_limits(tmp_path, driver, types):
+    """Every 8-bit input at +-127 against quants at the ends of their range: the kernels that
+    add in 16 bits (AVX2) must stay exact where the sums reach their largest values (a
+    saturating add fails this)."""
+    rng = np.random.default_rng(3)
+    n_in = 512
+    x = np.stack([np.ones(n_in), -np.ones(n_in), np.where(np.arange(n_in) % 2 == 0, 1.0, -1.0),
+                  np.where((np.arange(n_in) // 4) % 2 == 0, 1.0, -1.0)]).astype(np.float32)
+    segs = [(t, _extreme_rows(n_in, rng)) for t in types]
+    for tau in (0.0, 0.5):
+        xx = x.copy()
+        if tau:
+            xx[:, rng.choice(n_in, n_in // 3, replace=False)] *= 0.1  # some entries dropped
+        out = _run(tmp_path, segs, xx, tau, driver=driver)
+        _check(out, xx, tau, 16 if "q6_K" in types else 32, types)
