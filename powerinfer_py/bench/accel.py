@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .._machine import cpu_model, measure_bandwidth
+from ..pipeline.libllama import expert_share
 from .common import ChildError, print_table, prompt_tokens, spawn, upstream_last_logits
 
 PROMPT_TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
@@ -40,10 +41,7 @@ def _bytes_per_token(path: str, kept: Dict[str, float]) -> Dict[str, float]:
     import gguf
 
     r = gguf.GGUFReader(path)
-    arch = str(r.get_field("general.architecture").contents())
-    n_exp = r.get_field(f"{arch}.expert_count")
-    n_used = r.get_field(f"{arch}.expert_used_count")
-    exp_share = float(n_used.contents()) / float(n_exp.contents()) if n_exp is not None and n_used is not None else 1.0
+    exp_share = expert_share(path)
     names = {t.name for t in r.tensors}
     dense = sparse = 0.0
     for t in r.tensors:

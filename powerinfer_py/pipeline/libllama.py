@@ -74,7 +74,20 @@ def tensor_histograms(model_path: str, texts: Sequence[str], n_tokens: int, thre
     finally:
         llm.close()
     counts = np.stack([h[0] for h in hists])
-    return names, counts, hists[0][1], hists[0][2], np.array([w["bytes"] for w in weights], dtype=np.float64), used
+    # the bytes a token reads: of an expert stack (MUL_MAT_ID), the share of its experts in use
+    share = expert_share(model_path)
+    nbytes = np.array([w["bytes"] * (share if w["n_mats"] > 1 else 1.0) for w in weights], dtype=np.float64)
+    return names, counts, hists[0][1], hists[0][2], nbytes, used
+
+
+def expert_share(model_path: str) -> float:
+    """Experts a token uses over experts a layer has (1 for a model without experts)."""
+    r = open_gguf(model_path)
+    arch = str(r.get_field("general.architecture").contents())
+    n_exp, n_used = r.get_field(f"{arch}.expert_count"), r.get_field(f"{arch}.expert_used_count")
+    if n_exp is None or n_used is None or int(n_exp.contents()) <= 0:
+        return 1.0
+    return float(n_used.contents()) / float(n_exp.contents())
 
 
 def write_tensor_thresholds(src: str, dst: str, names: Sequence[str], taus: Sequence[float], floats: Dict[str, float],
