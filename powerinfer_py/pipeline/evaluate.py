@@ -462,7 +462,8 @@ def evaluate(path: str, domains: Sequence[Tuple[str, str]], reference: Optional[
                     bar.update(done)
             quality[name] = {e: s.row(with_ref and e != "reference") for e, s in scores.items()}
         # the share each sparse mode computed, from the engine's own counters of the scoring steps
-        stats = {m: (c[:, 0] / np.maximum(c[:, 1], 1)).tolist() for m, c in counts.items() if m != "dense"}
+        # (None: a layer with nothing sparse, as the module's files may leave some)
+        stats = {m: [float(a / n) if n else None for a, n in c] for m, c in counts.items() if m != "dense"}
     finally:
         if ref is not None:
             ref.close()
@@ -523,18 +524,24 @@ def render(card: Dict[str, Any]) -> str:
                          f" {r['nll'] - base:+.4f} | {r['kl']:.4f} | {r['top1']:.1%} |")
             L.append(line)
     lay = card["layers"]
-    n_layer = len(lay["fired"])
-    L += ["", "## FFN activity per layer (all domains)", "",
-          "fired: neurons with act > 0 in the dense FFN; computed: what each sparse mode computed in its "
-          "sparse steps (a passage's first token runs dense)"
+    n_layer = len(lay["fired"]) or max((len(v) for v in lay["computed"].values()), default=0)
+    module = not lay["fired"]  # libllama's engine: the module's counters, every sparse matrix's input
+    L += ["", "## FFN activity per layer (all domains)" if not module else "## Input entries kept per layer (all domains)", "",
+          ("fired: neurons with act > 0 in the dense FFN; computed: what each sparse mode computed in its "
+           "sparse steps (a passage's first token runs dense)" if not module else
+           "the module inside libllama (docs/accel.md): computed = the share of the input entries its sparse matrices "
+           "kept, over the scored steps; —: no sparse matrix in the layer (the FFN's own activity needs the core's graph)")
           + ("; recall: of the neurons that fired, the share the predictor chose" if "predictor_recall" in lay else ""),
           "", "| layer | " + " | ".join(str(i) for i in range(n_layer)) + " | mean |",
           "|---|" + "---|" * (n_layer + 1)]
 
     def row(name, vals, fmt):
-        return f"| {name} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(float(np.mean(vals)))} |"
+        known = [v for v in vals if v is not None]
+        mean = fmt(float(np.mean(known))) if known else "—"
+        return f"| {name} | " + " | ".join("—" if v is None else fmt(v) for v in vals) + f" | {mean} |"
 
-    L.append(row("fired", lay["fired"], lambda v: f"{v:.1%}"))
+    if not module:
+        L.append(row("fired", lay["fired"], lambda v: f"{v:.1%}"))
     for m, vals in lay["computed"].items():
         L.append(row(f"computed ({m})", vals, lambda v: f"{v:.1%}"))
     if "predictor_recall" in lay:
