@@ -522,7 +522,8 @@ def test_sparse_stats_reports_the_active_share(tiny):
         assert llm.sparse_stats()["active"] is None
     with Llama(tiny["tiny-q8"]["dense"], n_ctx=256, n_threads=2, verbose=False, sparse_mode="dense") as llm:
         llm.create_completion("the cat sat", max_tokens=4, temperature=0)
-        assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None, "kernels": kernel_level()}
+        assert llm.sparse_stats() == {"mode": "dense", "layers": [None] * 3, "active": None, "kernels": kernel_level(),
+                                      "counts": [(0, 0)] * 3}
 
 
 LONG_PROMPT = b"the cat sat on the mat and the dog sat on the log, then the bird sang in the tree by the old"
@@ -592,12 +593,14 @@ def test_llama_sparse_stats_after_a_prompt_alone(tiny):
         toks = llm.tokenize(LONG_PROMPT)
         llm.eval(toks[:16])
         llm.eval(toks[16:])  # a chunk without position 0, above sparse_max_batch
-        assert llm.sparse_stats() == {"mode": "predictor", "layers": [None] * 2, "active": None, "kernels": kernel_level()}
+        assert llm.sparse_stats() == {"mode": "predictor", "layers": [None] * 2, "active": None, "kernels": kernel_level(),
+                                      "counts": [(0, 0)] * 2}
         for t in toks[:5]:
             llm.eval([t])
         counts = [llm._ctx.sparse_stats(il) for il in range(2)]
         assert all(tot == 5 * PRESETS["tiny"].n_ff for _, tot in counts)
         assert llm.sparse_stats()["layers"] == [act / tot for act, tot in counts]
+        assert llm.sparse_stats()["counts"] == counts  # what the shares are of (the server's page adds them up)
     if not CLI.exists():
         pytest.skip("no build/bin/main")
     cmd = [str(CLI), "-m", str(path), "-p", LONG_PROMPT.decode(), "--temp", "0", "-t", "2"]
