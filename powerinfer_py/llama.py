@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import sys
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from ._llama import embedding as _embedding
 from ._llama import fallback as _fallback_engine
 from ._llama import generation as _generation
 from ._llama import loading as _loading
+from ._llama import overrides as _overrides
 from ._llama import sequence as _sequence
 from ._llama import speculative as _speculative
 from ._llama import state as _state
@@ -152,6 +153,9 @@ class Llama:
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
         draft_p_min: Optional[float] = None,
+        override_tensor: Optional[Union[str, Dict[str, str], List[Tuple[str, str]]]] = None,
+        cpu_moe: bool = False,
+        n_cpu_moe: int = 0,
         **kwargs: Any,  # accepted and ignored, as upstream does (LangChain passes n_parts, f16_kv, ...)
     ):
         """Load a model. The parameters are llama_cpp.Llama's (see its documentation),
@@ -210,6 +214,15 @@ class Llama:
                 step; default 16, for draft_model the count it proposes), --draft-min (fewer
                 drafted tokens are not checked; default 0) and --draft-p-min (a draft model
                 stops drafting below this probability of its best token; default 0.75).
+            override_tensor: llama.cpp's --override-tensor: "PATTERN=BUFFER_TYPE,..." (or a dict,
+                or (pattern, buffer type) pairs); a weight whose name the regular expression
+                matches goes to that device's buffer type ("CPU", "Vulkan0", "CUDA0", ...).
+                libllama places the weights, so the model runs on llama-cpp-python's engine
+                (a sparsified file in input mode through the module, docs/accel.md).
+            cpu_moe, n_cpu_moe: llama.cpp's --cpu-moe and --n-cpu-moe N: keep the expert
+                weights of every layer, or of the first N layers, on the CPU (where the
+                module runs a sparsified file's experts sparse) while n_gpu_layers puts the
+                rest on a device.
             fallback: Run what the core does not implement (an architecture, LoRA, KV
                 overrides, RoPE overrides, a quantized KV cache) on llama-cpp-python's engine.
 
@@ -244,6 +257,8 @@ class Llama:
                                 n_ctx=n_ctx, n_batch=n_batch, split_mode=split_mode, tensor_split=tensor_split,
                                 rpc_servers=rpc_servers)
         draft_params = _loading.draft_params(draft_model, draft_model_path, draft_max, draft_min, draft_p_min)
+        # ValueError now for a bad pattern, buffer type or count (llama.cpp's meanings)
+        self._tensor_overrides = _overrides.parse(override_tensor, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe)
         if batch_invariant is None:
             batch_invariant = draft_params is not None
         self.batch_invariant = bool(batch_invariant)
@@ -260,7 +275,7 @@ class Llama:
         missing = _loading.unsupported_features(
             lora_path=lora_path, kv_overrides=kv_overrides, rope_freq_base=rope_freq_base,
             rope_freq_scale=rope_freq_scale, rope_scaling_type=rope_scaling_type, type_k=type_k, type_v=type_v,
-            embedding=embedding, pooling_type=pooling_type,
+            embedding=embedding, pooling_type=pooling_type, override_tensor=override_tensor,
         )  # fmt: skip
         if missing:
             reason = f"the powerinfer engine does not implement {', '.join(missing)}"
@@ -457,7 +472,7 @@ class Llama:
         if self._init_params.get("draft_model_path") is not None:
             raise ValueError(f"draft_model_path needs the powerinfer engine, and {core_message} "
                              f"(llama-cpp-python's engine takes draft_model=LlamaPromptLookupDecoding(...))")
-        _fallback_engine.load(self, core_message, params)
+        _fallback_engine.load(self, core_message, params, self.__dict__.get("_tensor_overrides") or [])
 
     def __getattr__(self, name: str):
         # Only reached for attributes this object lacks: on the fallback engine, every

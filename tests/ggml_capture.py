@@ -101,6 +101,7 @@ def capture(model_path: str, steps: Sequence[Sequence[int]], want: Callable[[str
         return True
 
     mp = llama_cpp.llama_model_default_params()
+    mp.n_gpu_layers = 0  # libllama's default is all layers on a device, whose tensors are not host memory
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
     assert model, model_path
     cp = llama_cpp.llama_context_default_params()

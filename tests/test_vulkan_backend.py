@@ -374,15 +374,17 @@ def test_supports_the_dense_ops(vk_result):
 
 
 
-def test_the_device_tests_pass_on_vulkan(vk_result):
+@pytest.mark.parametrize("tests_file", ["test_device.py", "test_accel_hybrid.py"])
+def test_the_device_tests_pass_on_vulkan(vk_result, tests_file):
     """tests/test_device.py (placement, parity with the CPU in dense, gate and predictor
-    modes, budgets, parallel slots) in a child pytest with the module loaded through ggml's
-    GGML_BACKEND_PATH: the process's device list then holds Vulkan0, which this session's
-    llama-cpp-python references must not see."""
+    modes, budgets, parallel slots) and tests/test_accel_hybrid.py (llama.cpp's tensor
+    overrides with the sparse module on the CPU side) in a child pytest with the module
+    loaded through ggml's GGML_BACKEND_PATH: the process's device list then holds Vulkan0,
+    which this session's llama-cpp-python references must not see."""
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in LAVAPIPE_ENV.items()},
            "GGML_BACKEND_PATH": vk_result["module"]}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                          str(REPO_DIR / "tests" / "test_device.py")],
+                          str(REPO_DIR / "tests" / tests_file)],
                          cwd=REPO_DIR, capture_output=True, text=True, env=env, timeout=1800)
     tail = "\n".join(line for line in out.stdout.splitlines() if not line.startswith("ggml_vulkan"))[-6000:]
     assert out.returncode == 0, tail + out.stderr[-3000:]

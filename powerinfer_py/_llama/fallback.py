@@ -10,11 +10,12 @@ import contextlib
 import functools
 import re
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Sequence, Tuple
 
 from .._core import PowerInferError
 from .._core import accel
 from .._core.errors import ERR_UNSUPPORTED
+from . import overrides as _overrides
 from . import upstream
 from .constants import ENGINE_LLAMA_CPP
 
@@ -33,8 +34,9 @@ def delegates(method):
     return wrapper
 
 
-def load(llama: Any, core_message: str, params: Dict[str, Any]) -> None:
-    """Loads llama.model_path on llama-cpp-python's engine (the same constructor params)."""
+def load(llama: Any, core_message: str, params: Dict[str, Any], tensor_overrides: Sequence[Tuple[str, str]] = ()) -> None:
+    """Loads llama.model_path on llama-cpp-python's engine (the same constructor params;
+    tensor_overrides: (pattern, buffer type) pairs, llama.cpp's --override-tensor)."""
     try:
         upstream_llama = upstream.llama_module().Llama
     except ImportError:
@@ -45,11 +47,14 @@ def load(llama: Any, core_message: str, params: Dict[str, Any]) -> None:
         ) from None
     if llama.verbose:
         print(f"powerinfer_py: {core_message}; falling back to engine {ENGINE_LLAMA_CPP}", file=sys.stderr)
+    # kept with the Llama: libllama keeps the array's address in the model's params
+    llama._tensor_overrides_array = _overrides.Overrides(tensor_overrides) if tensor_overrides else None
     try:
         # the module (docs/accel.md) runs the file's input-sparse thresholds inside libllama
         sparse = getattr(llama, "sparse_mode", None) != "dense"
         with accel.armed(llama.model_path) if sparse else contextlib.nullcontext((None, 0)) as (tag, n):
-            fallback = upstream_llama(model_path=llama.model_path, **params)
+            with _overrides.installed(llama._tensor_overrides_array):
+                fallback = upstream_llama(model_path=llama.model_path, **params)
         llama._accel_tag = tag if n > 0 else None
     except Exception as e:
         raise PowerInferError(

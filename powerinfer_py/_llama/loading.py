@@ -21,7 +21,7 @@ from .constants import (ENGINE_POWERINFER, LLAMA_POOLING_TYPE_RANK, LLAMA_ROPE_S
 # Llama's own parameters, which llama_cpp.Llama (the fallback engine) does not take.
 OWN_PARAMS = ("model_path", "vram_budget", "sparse_mode", "sparse_threshold", "fallback", "activation_dir",
               "reset_gpu_index", "emulate_device", "pack_dense", "batch_invariant", "draft_model_path", "draft_max",
-              "draft_min", "draft_p_min")
+              "draft_min", "draft_p_min", "override_tensor", "cpu_moe", "n_cpu_moe")
 
 
 def _budgets(vram_budget: Any) -> Optional[List[float]]:
@@ -88,7 +88,7 @@ def upstream_params(init_params: Dict[str, Any], n_threads: int, n_threads_batch
 
 
 def unsupported_features(*, lora_path, kv_overrides, rope_freq_base, rope_freq_scale, rope_scaling_type, type_k,
-                         type_v, embedding, pooling_type) -> List[str]:
+                         type_v, embedding, pooling_type, override_tensor=None) -> List[str]:
     """Features whose effect on the output the core cannot reproduce."""
     return [
         what
@@ -99,6 +99,9 @@ def unsupported_features(*, lora_path, kv_overrides, rope_freq_base, rope_freq_s
              or rope_scaling_type not in (None, LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED)),
             ("a quantized KV cache (type_k/type_v)", type_k is not None or type_v is not None),
             ("rank pooling", embedding and pooling_type == LLAMA_POOLING_TYPE_RANK),
+            # libllama places the weights (docs/accel.md#placement); cpu_moe and n_cpu_moe
+            # alone change nothing on the core, whose architectures have no experts
+            ("tensor overrides (override_tensor)", bool(override_tensor)),
         )
         if wanted
     ]

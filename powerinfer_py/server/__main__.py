@@ -64,7 +64,9 @@ def _parse_json_object(arg: str) -> Dict[str, Any]:
 _SHUTDOWN_GRACE_S = 3
 
 # llama.cpp's server spellings of some fields, beside llama_cpp.server's.
-_ALIASES = {"rpc_servers": ["--rpc"]}
+_ALIASES = {"rpc_servers": ["--rpc"], "override_tensor": ["-ot"], "cpu_moe": ["-cmoe"], "n_cpu_moe": ["-ncmoe"]}
+# Flags that llama.cpp spells without a value (--cpu-moe); a value is still taken (--cpu-moe false).
+_BARE_FLAGS = {"cpu_moe"}
 
 
 def add_args_from_model(parser: argparse.ArgumentParser, model: Type[Any]) -> None:
@@ -80,7 +82,8 @@ def add_args_from_model(parser: argparse.ArgumentParser, model: Type[Any]) -> No
         if _contains(annotation, (dict, Dict)):
             parser.add_argument(*flags, dest=name, type=_parse_json_object, help=description)
         elif base is bool:
-            parser.add_argument(*flags, dest=name, type=_parse_bool, metavar="BOOL", help=description)
+            bare = dict(nargs="?", const=True) if name in _BARE_FLAGS else {}
+            parser.add_argument(*flags, dest=name, type=_parse_bool, metavar="BOOL", help=description, **bare)
         else:
             parser.add_argument(
                 *flags,

@@ -54,6 +54,21 @@ class ModelSettings(BaseSettings):
         default=None,
         description="List of model kv overrides in the format key=type:value where type is one of (bool, int, float). Valid true values are (true, TRUE, 1), otherwise false.",
     )
+    override_tensor: Optional[str] = Field(
+        default=None,
+        description="llama.cpp's --override-tensor (also -ot): PATTERN=BUFFER_TYPE,... puts the weights whose "
+        "names the regular expression matches on that device's buffer type (CPU, Vulkan0, CUDA0, ...); the "
+        "model then runs on libllama, a sparsified file through the module (docs/accel.md#placement)",
+    )
+    cpu_moe: bool = Field(
+        default=False,
+        description="llama.cpp's --cpu-moe (also -cmoe): keep every layer's expert weights on the CPU",
+    )
+    n_cpu_moe: int = Field(
+        default=0,
+        ge=0,
+        description="llama.cpp's --n-cpu-moe (also -ncmoe): keep the expert weights of the first N layers on the CPU",
+    )
     rpc_servers: Optional[str] = Field(
         default=None,
         description="comma separated list of RPC workers (host:port, `powerinfer rpc-server`) whose devices the "

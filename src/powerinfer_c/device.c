@@ -326,6 +326,41 @@ int32_t powerinfer_gpu_count(void) {
     return n;
 }
 
+void * powerinfer_buffer_type_by_name(const char * name) {
+    if (!name) {
+        return NULL;
+    }
+    load_backends();
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_get(i));
+        if (buft && strcmp(ggml_backend_buft_name(buft), name) == 0) {
+            return buft;
+        }
+    }
+    return NULL;
+}
+
+int32_t powerinfer_buffer_type_names(char * out, int32_t cap) {
+    load_backends();
+    size_t len = 0;
+    if (out && cap > 0) {
+        out[0] = '\0';
+    }
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_get(i));
+        if (!buft) {
+            continue;
+        }
+        const char * name = ggml_backend_buft_name(buft);
+        const size_t at = len;
+        len += (at > 0 ? 2 : 0) + strlen(name);
+        if (out && cap > 0 && len < (size_t) cap) {
+            snprintf(out + at, (size_t) cap - at, "%s%s", at > 0 ? ", " : "", name);
+        }
+    }
+    return (int32_t) len;
+}
+
 void pi_device_free(struct pi_device * dev) {
     if (dev->backend) {
         ggml_backend_free(dev->backend);

@@ -523,6 +523,14 @@ POWERINFER_API bool powerinfer_model_failed(const struct powerinfer_model * mode
 // GPUs and integrated GPUs in the installed ggml's backend registry (RPC workers not counted):
 // 0 means hybrid placement has no local device (emulate_device, or rpc_servers, give it one).
 POWERINFER_API int32_t powerinfer_gpu_count(void);
+// A device's buffer type by its ggml name ("CPU", "Vulkan0", "CUDA0", ...), as llama.cpp's
+// --override-tensor names them: the default buffer type of each device in ggml's registry
+// (modules on GGML_BACKEND_PATH loaded first). NULL when no device has one by that name.
+// For libllama's llama_model_tensor_buft_override (docs/accel.md#placement).
+POWERINFER_API void * powerinfer_buffer_type_by_name(const char * name);
+// The names powerinfer_buffer_type_by_name knows, comma-separated, into out (cap bytes,
+// NUL-terminated, cut at cap); returns the length the whole list needs.
+POWERINFER_API int32_t powerinfer_buffer_type_names(char * out, int32_t cap);
 POWERINFER_API int32_t powerinfer_get_placement(const struct powerinfer_context * ctx, struct powerinfer_placement * out);
 // Device i's share (0 <= i < n_devices of powerinfer_get_placement).
 POWERINFER_API int32_t powerinfer_get_placement_device(const struct powerinfer_context * ctx, int32_t i,
