@@ -116,7 +116,7 @@ _LOCK = threading.Lock()
 
 def _install_hook() -> None:
     """Wraps llama-cpp-python's model loader once: a load on a thread inside installed()
-    gets that thread's overrides (the others load as before)."""
+    gets that thread's overrides and fields (the others load as before)."""
     mod = upstream.module("llama_cpp")
     with _LOCK:
         load = mod.llama_model_load_from_file
@@ -128,6 +128,8 @@ def _install_hook() -> None:
             pending: Optional[Overrides] = getattr(_local, "pending", None)
             if pending is not None and pending.pairs:
                 params.tensor_buft_overrides = pending.address
+            for name, value in (getattr(_local, "fields", None) or {}).items():
+                setattr(params, name, value)
             return load(path_model, params)
 
         load_with_overrides.__powerinfer_overrides__ = True  # type: ignore[attr-defined]
@@ -135,14 +137,16 @@ def _install_hook() -> None:
 
 
 @contextmanager
-def installed(overrides: Optional[Overrides]) -> Iterator[None]:
-    """Within the block, llama-cpp-python's model loads on this thread use `overrides`."""
-    if overrides is None or not overrides.pairs:
+def installed(overrides: Optional[Overrides], **fields: Any) -> Iterator[None]:
+    """Within the block, llama-cpp-python's model loads on this thread use `overrides`, and
+    `fields` of llama_model_params that its Llama has no argument for (use_extra_bufts:
+    llama.cpp's --no-repack is use_extra_bufts=False)."""
+    if (overrides is None or not overrides.pairs) and not fields:
         yield
         return
     _install_hook()
-    _local.pending = overrides
+    _local.pending, _local.fields = overrides, fields
     try:
         yield
     finally:
-        _local.pending = None
+        _local.pending, _local.fields = None, None

@@ -2,7 +2,7 @@
 same run, same threads:
 
     python -m powerinfer_py.bench accel --model MODEL.gguf --sparse S1.gguf [S2.gguf ...]
-        [--threads 2] [--n-gen 64] [--reps 3] [--no-passthrough] [--no-core]
+        [--threads 2] [--n-gen 64] [--reps 3] [--no-passthrough] [--no-core] [--no-repack]
 
 MODEL is the original file, each S a sparse copy of it (`powerinfer sparsify`). Per copy, in
 a fresh process, these engines decode after the same 16-token prompt, each its own greedy
@@ -12,7 +12,9 @@ tokens, one step of each in turn (the machine's bandwidth drifts):
   cost), for the first copy;
 - the module running S's thresholds (llama-cpp-python's engine with the module armed);
 - our core's input mode on S, where the core builds the architecture (llama, qwen2).
---reps processes per copy; the table gives medians of the per-run ratios to the reference,
+--no-repack loads every engine with llama.cpp's --no-repack (no CPU_REPACK layouts, ours
+included): the pass-through row then measures the module's own dispatch cost alone, apart
+from the repacked kernels a covered weight gives up. --reps processes per copy; the table gives medians of the per-run ratios to the reference,
 and the byte-count ideal: the weight bytes llama.cpp reads per token over those the kept
 input entries leave (each sparse weight at its measured kept share; an MoE expert stack at
 its used experts' share), and the share of that ideal reached.
@@ -53,24 +55,28 @@ def _bytes_per_token(path: str, kept: Dict[str, float]) -> Dict[str, float]:
     return {"dense": dense, "sparse": sparse}
 
 
-def decode_run(model: str, sparse: str, threads: int, n_gen: int, passthrough: bool, core: bool) -> Dict[str, Any]:
+def decode_run(model: str, sparse: str, threads: int, n_gen: int, passthrough: bool, core: bool,
+               repack: bool = True) -> Dict[str, Any]:
     """One process: the engines' greedy steps interleaved; tok/s of each and the kept shares."""
     import llama_cpp
 
     from .._core import accel
     from .._core import PowerInferError
+    from .._llama import overrides
     from ..llama import Llama
 
     kw = dict(n_ctx=n_gen + 64, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    engines: Dict[str, Any] = {"llama-cpp-python": llama_cpp.Llama(model_path=model, **kw)}
-    if passthrough:
-        with accel.armed(sparse, accel.PASSTHROUGH):
-            engines["module, pass-through"] = llama_cpp.Llama(model_path=sparse, **kw)
-    with accel.armed(sparse) as (tag, _):
-        engines["module"] = llama_cpp.Llama(model_path=sparse, **kw)
+    fields = {} if repack else {"use_extra_bufts": False}
+    with overrides.installed(None, **fields):
+        engines: Dict[str, Any] = {"llama-cpp-python": llama_cpp.Llama(model_path=model, **kw)}
+        if passthrough:
+            with accel.armed(sparse, accel.PASSTHROUGH):
+                engines["module, pass-through"] = llama_cpp.Llama(model_path=sparse, **kw)
+        with accel.armed(sparse) as (tag, _):
+            engines["module"] = llama_cpp.Llama(model_path=sparse, **kw)
     if core and accel.core_builds(str(engines["module"].metadata.get("general.architecture", ""))):
         try:  # a copy of the core's format (per-layer thresholds); a per-tensor one is the module's alone
-            engines["core input mode"] = Llama(model_path=sparse, sparse_mode="input", **kw)
+            engines["core input mode"] = Llama(model_path=sparse, sparse_mode="input", repack=repack, **kw)
         except PowerInferError:
             pass
 
@@ -113,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="processes per copy (medians of the ratios)")
     p.add_argument("--no-passthrough", action="store_true", help="skip the pass-through engine")
     p.add_argument("--no-core", action="store_true", help="skip our core's input mode")
+    p.add_argument("--no-repack", action="store_true",
+                   help="every engine without CPU_REPACK layouts (llama.cpp's --no-repack)")
     a = p.parse_args(argv)
     if a.threads < 1 or a.n_gen < 1 or a.reps < 1:
         print("error: --threads, --n-gen and --reps must be >= 1", file=sys.stderr)
@@ -124,7 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for rep in range(a.reps):
                 print(f"decode, {s}, run {rep + 1}/{a.reps} ...", file=sys.stderr, flush=True)
                 runs.append(spawn(decode_run, model=a.model, sparse=s, threads=a.threads, n_gen=a.n_gen,
-                                  passthrough=i == 0 and not a.no_passthrough, core=not a.no_core))
+                                  passthrough=i == 0 and not a.no_passthrough, core=not a.no_core,
+                                  repack=not a.no_repack))
             b = runs[0]["bytes"]
             ideal = b["dense"] / b["sparse"]
             for name in runs[0]["tok_s"]:
@@ -141,8 +150,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: a benchmark run failed ({e.reason}):\n{e.output[-2000:]}", file=sys.stderr)
         return 1
     bw = measure_bandwidth(a.threads)
+    from .._core.bindings import kernel_level
+
     print(f"\nmodel: {a.model} (llama-cpp-python); {a.threads} threads; measured read bandwidth "
-          f"({a.threads} threads) {bw / 1e9:.1f} GB/s; CPU {cpu_model()}\n")
+          f"({a.threads} threads) {bw / 1e9:.1f} GB/s; CPU {cpu_model()}; sparse kernels {kernel_level()}; "
+          f"CPU_REPACK {'off in every engine (--no-repack)' if a.no_repack else 'on'}\n")
     print_table(f"Decode, {a.n_gen} tokens, engines' steps interleaved in one process, median of {a.reps} runs:",
                 ("file", "engine", "llama-cpp-python tok/s", "engine tok/s", "ratio", "ideal (bytes)", "of ideal"), rows)
     return 0
