@@ -167,6 +167,32 @@ def test_server_flags_reach_llama(smollm2_path):
         load_llama_from_model_settings(ModelSettings(model=smollm2_path, verbose=False, override_tensor="ffn=GPU7"))
 
 
+def test_main_takes_llama_cpps_spellings(smollm2_path, cli_path):
+    """main's -ot runs the model on libllama with llama.cpp's greedy text; bad values exit
+    non-zero with a message."""
+    import subprocess
+
+    prompt = "The capital of France is"
+    ref = llama_cpp.Llama(model_path=smollm2_path, n_ctx=128, n_threads=2, verbose=False)
+    want = ref.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    ref.close()
+
+    def main(*args):
+        return subprocess.run([str(cli_path), "-m", smollm2_path, "-p", prompt, "-n", "8", "--temp", "0", "-t", "2",
+                               *args], capture_output=True, text=True, timeout=120)
+
+    out = main("-ot", r"blk\.[0-9]+\.ffn_.*=CPU,attn_q=CPU", "--cpu-moe", "-ncmoe", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.endswith(want) or want in out.stdout, (out.stdout, want)
+    assert "engine      = libllama (-ot" in out.stderr
+    for args, message in ((["-ot", "ffn=NoSuchGPU0"], "unknown buffer type 'NoSuchGPU0'; available: CPU"),
+                          (["-ot", "ffn"], "'ffn' is not PATTERN=BUFFER_TYPE"),
+                          (["-ot", "=CPU"], "an empty pattern"),
+                          (["--n-cpu-moe", "-1"], "invalid value '-1' for --n-cpu-moe")):
+        out = main(*args)
+        assert out.returncode != 0 and message in out.stderr, (args, out.stderr[-1000:])
+
+
 # ------------------------------------------------------------------------ with a device
 
 CASES = {
@@ -219,3 +245,15 @@ def test_the_cpu_resident_weights_run_sparse_beside_the_device(moe, case):
     _, dense_along, _, _ = _greedy(moe["dense"], along=cpu_tokens)
     effect = _rel(sparse_cpu, dense_along)  # what the thresholds do: measured 7-14%
     assert _rel(sparse_dev, sparse_cpu) <= min(4 * noise, 0.5 * effect), (case, _rel(sparse_dev, sparse_cpu), noise, effect)
+
+
+@needs_device
+def test_main_keeps_the_experts_on_the_cpu_sparse(moe, cli_path):
+    """main -ngl 99 --cpu-moe on a sparsified MoE file: the module runs the 6 expert stacks,
+    the rest is on the device."""
+    import subprocess
+
+    out = subprocess.run([str(cli_path), "-m", moe["t0"], "-p", "hello", "-n", "4", "--temp", "0", "-t", "2",
+                          "-ngl", "99", "--cpu-moe", "-v"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sparse mode = input (the module: 6 weights" in out.stderr, out.stderr[-2000:]

@@ -45,6 +45,11 @@ struct cli_args {
     int32_t      draft_max, draft_min;
     float        draft_p_min;
     bool         batch_invariant;  // each token computed as alone (what -md implies)
+    // llama.cpp's tensor placement (-ot, --cpu-moe, --n-cpu-moe): libllama's engine applies them
+    const char * override_tensor[32];
+    int32_t      n_override_tensor;
+    bool         cpu_moe;
+    int32_t      n_cpu_moe;
 };
 
 static void usage(FILE * out, const char * argv0) {
@@ -90,6 +95,11 @@ static void usage(FILE * out, const char * argv0) {
         "  --draft-p-min P           the draft stops below this probability of its best token (default: 0.75)\n"
         "  --batch-invariant         compute each token as it is computed alone in any batch (implied by -md:\n"
         "                            the text is the same with and without a draft)\n"
+        "  -ot, --override-tensor PATTERN=TYPE[,...]  llama.cpp's: weights whose names match the regular\n"
+        "                            expression go to that buffer type (CPU, Vulkan0, CUDA0, ...); the model\n"
+        "                            then runs on libllama (a sparsified file through the module; docs/accel.md)\n"
+        "  -cmoe, --cpu-moe          keep every layer's expert weights on the CPU (libllama's engine)\n"
+        "  -ncmoe, --n-cpu-moe N     keep the expert weights of the first N layers on the CPU (libllama's engine)\n"
         "  -v, --verbose             print loading details\n",
         argv0);
 }
@@ -183,6 +193,7 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
         if (IS("--reset-gpu-index"))           { a->reset_gpu_index = true; continue; }
         if (IS("--emulate-device"))            { a->emulate_device = true; continue; }
         if (IS("--batch-invariant"))           { a->batch_invariant = true; continue; }
+        if (IS("-cmoe") || IS("--cpu-moe"))    { a->cpu_moe = true; continue; }
         const bool takes_value =
             IS("-m") || IS("--model") || IS("-p") || IS("--prompt") || IS("-f") || IS("--file") ||
             IS("-n") || IS("--n-predict") || IS("-t") || IS("--threads") || IS("-tb") || IS("--threads-batch") ||
@@ -191,7 +202,8 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             IS("--repeat-last-n") || IS("--vram-budget") || IS("-ngl") || IS("--n-gpu-layers") || IS("--gpu-layers") ||
             IS("--sparse-mode") || IS("--sparse-threshold") || IS("--rpc") || IS("-sm") || IS("--split-mode") ||
             IS("-ts") || IS("--tensor-split") || IS("-md") || IS("--model-draft") || IS("--draft-max") ||
-            IS("--draft") || IS("--draft-n") || IS("--draft-min") || IS("--draft-n-min") || IS("--draft-p-min");
+            IS("--draft") || IS("--draft-n") || IS("--draft-min") || IS("--draft-n-min") || IS("--draft-p-min") ||
+            IS("-ot") || IS("--override-tensor") || IS("-ncmoe") || IS("--n-cpu-moe");
         if (!takes_value) {
             return fail("unknown argument '%s' (see --help)", arg);
         }
@@ -246,6 +258,13 @@ static int parse_args(int argc, char ** argv, struct cli_args * a) {
             }
         }
         else if (IS("--sparse-threshold"))            ok = parse_float(val, &a->sparse_threshold);
+        else if (IS("-ncmoe") || IS("--n-cpu-moe"))   ok = parse_int(val, 0, 1 << 16, &a->n_cpu_moe);
+        else if (IS("-ot") || IS("--override-tensor")) {
+            if (a->n_override_tensor == (int32_t) (sizeof(a->override_tensor) / sizeof(a->override_tensor[0]))) {
+                return fail("too many %s options (at most 32; one takes a comma-separated list)", arg);
+            }
+            a->override_tensor[a->n_override_tensor++] = val;
+        }
         else if (IS("-md") || IS("--model-draft"))    a->model_draft = val;
         else if (IS("--draft-max") || IS("--draft") || IS("--draft-n")) ok = parse_int(val, 1, 1 << 16, &a->draft_max);
         else if (IS("--draft-min") || IS("--draft-n-min")) ok = parse_int(val, 0, 1 << 16, &a->draft_min);
@@ -401,13 +420,98 @@ static void print_piece(const struct powerinfer_model * model, powerinfer_token 
     }
 }
 
+// ---- llama.cpp's tensor placement overrides, for libllama (its common/arg.cpp meanings) ----
+// -ot PATTERN=TYPE,...: the first pattern found in a weight's name picks its buffer type;
+// --cpu-moe, --n-cpu-moe N: the expert stacks of every layer, or of layers 0..N-1, to the CPU.
+#define FFN_EXPS_REGEX "\\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+struct tensor_overrides {
+    struct llama_model_tensor_buft_override * items;  // NULL-terminated
+    char ** strings;                                  // the patterns, owned
+    int32_t n;
+};
+
+static void tensor_overrides_free(struct tensor_overrides * ov) {
+    for (int32_t i = 0; i < ov->n; ++i) free(ov->strings[i]);
+    free(ov->strings);
+    free(ov->items);
+    memset(ov, 0, sizeof(*ov));
+}
+
+static bool tensor_overrides_add(struct tensor_overrides * ov, const char * pattern, size_t len, const char * type) {
+    void * buft = powerinfer_buffer_type_by_name(type);
+    if (!buft) {
+        char names[1024];
+        powerinfer_buffer_type_names(names, (int32_t) sizeof(names));
+        fprintf(stderr, "error: -ot: unknown buffer type '%s'; available: %s\n", type, names);
+        return false;
+    }
+    if (len == 0) {
+        fprintf(stderr, "error: -ot: an empty pattern (for buffer type '%s')\n", type);
+        return false;
+    }
+    char * pat = malloc(len + 1);
+    struct llama_model_tensor_buft_override * items = realloc(ov->items, (size_t) (ov->n + 2) * sizeof(*items));
+    char ** strings = items ? realloc(ov->strings, (size_t) (ov->n + 1) * sizeof(*strings)) : NULL;
+    if (items) ov->items = items;
+    if (strings) ov->strings = strings;
+    if (!pat || !items || !strings) {
+        free(pat);
+        fprintf(stderr, "error: out of memory\n");
+        return false;
+    }
+    memcpy(pat, pattern, len);
+    pat[len] = '\0';
+    ov->strings[ov->n] = pat;
+    ov->items[ov->n] = (struct llama_model_tensor_buft_override) { .pattern = pat, .buft = buft };
+    ov->n++;
+    ov->items[ov->n] = (struct llama_model_tensor_buft_override) { .pattern = NULL, .buft = NULL };
+    return true;
+}
+
+static bool tensor_overrides_make(struct tensor_overrides * ov, const struct cli_args * a) {
+    memset(ov, 0, sizeof(*ov));
+    for (int32_t k = 0; k < a->n_override_tensor; ++k) {
+        for (const char * item = a->override_tensor[k]; item;) {
+            const char * comma = strchr(item, ',');
+            const size_t len = comma ? (size_t) (comma - item) : strlen(item);
+            const char * eq = memchr(item, '=', len);
+            if (!eq) {
+                fprintf(stderr, "error: -ot: '%.*s' is not PATTERN=BUFFER_TYPE\n", (int) len, item);
+                tensor_overrides_free(ov);
+                return false;
+            }
+            char type[128];
+            snprintf(type, sizeof(type), "%.*s", (int) (item + len - eq - 1), eq + 1);
+            if (!tensor_overrides_add(ov, item, (size_t) (eq - item), type)) {
+                tensor_overrides_free(ov);
+                return false;
+            }
+            item = comma ? comma + 1 : NULL;
+        }
+    }
+    char pat[128];
+    if (a->cpu_moe && !tensor_overrides_add(ov, FFN_EXPS_REGEX, strlen(FFN_EXPS_REGEX), "CPU")) {
+        tensor_overrides_free(ov);
+        return false;
+    }
+    for (int32_t i = 0; i < a->n_cpu_moe; ++i) {
+        const int len = snprintf(pat, sizeof(pat), "blk\\.%d" FFN_EXPS_REGEX, i);
+        if (!tensor_overrides_add(ov, pat, (size_t) len, "CPU")) {
+            tensor_overrides_free(ov);
+            return false;
+        }
+    }
+    return true;
+}
+
 // ---- an architecture the core does not build: libllama's engine, sparse through the module ----
 // (docs/accel.md). The same flags mean the same; those of the core's own features (the
 // VRAM budget, its placement, RPC, drafts) are refused before anything loads.
 static int run_on_libllama(const struct cli_args * a, const char * prompt) {
-    if (a->vram_budget > 0.0f || a->rpc_servers || a->model_draft || a->n_gpu_layers > 0) {
-        fprintf(stderr, "error: %s runs on libllama's engine (an architecture the core does not build): "
-                        "--vram-budget, --rpc, -md and -ngl need the core's\n", a->model);
+    if (a->vram_budget > 0.0f || a->rpc_servers || a->model_draft) {
+        fprintf(stderr, "error: %s runs on libllama's engine (%s): --vram-budget, --rpc and -md need the core's\n",
+                a->model, a->n_override_tensor > 0 ? "-ot asks for libllama's placement" : "an architecture the core does not build");
         return 1;
     }
     const bool sparse = a->sparse_mode == POWERINFER_SPARSE_AUTO || a->sparse_mode == POWERINFER_SPARSE_INPUT;
@@ -425,9 +529,17 @@ static int run_on_libllama(const struct cli_args * a, const char * prompt) {
     }
     const double t0 = now_ms();
     struct llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = a->n_gpu_layers;  // libllama's default is every layer; ours, as llama.cpp's -ngl, 0
+    struct tensor_overrides ov;
+    if (!tensor_overrides_make(&ov, a)) {
+        powerinfer_accel_disarm();
+        return 1;
+    }
+    mp.tensor_buft_overrides = ov.n > 0 ? ov.items : NULL;
     struct llama_model * model = llama_model_load_from_file(a->model, mp);
     powerinfer_accel_disarm();
     if (!model) {
+        tensor_overrides_free(&ov);
         fprintf(stderr, "error: libllama could not load %s either\n", a->model);
         return 1;
     }
@@ -519,7 +631,7 @@ static int run_on_libllama(const struct cli_args * a, const char * prompt) {
     }
     fprintf(stderr, "\n");
     fprintf(stderr, "seed        = %u\n", a->seed);
-    fprintf(stderr, "engine      = libllama (this architecture is not built by the core)\n");
+    fprintf(stderr, "engine      = libllama (%s)\n", a->n_override_tensor > 0 ? "-ot: libllama places the weights" : "this architecture is not built by the core");
     if (n_sparse > 0) {
         fprintf(stderr, "sparse mode = input (the module: %d weights, %.1f%% of their input entries kept)\n", n_sparse,
                 total ? 100.0 * (double) kept / (double) total : 0.0);
@@ -538,6 +650,7 @@ done:
     llama_sampler_free(smpl);
     if (ctx) llama_free(ctx);
     llama_model_free(model);
+    tensor_overrides_free(&ov);
     return status;
 }
 
@@ -600,7 +713,9 @@ int main(int argc, char ** argv) {
         // writing to its closed socket would raise SIGPIPE.
         signal(SIGPIPE, SIG_IGN);
     }
-    if (powerinfer_model_arch_of_file(a.model) == 0) {  // an architecture the core does not build
+    // an architecture the core does not build, or llama.cpp's placement asked for (-ot); --cpu-moe
+    // and --n-cpu-moe alone leave the core's architectures, which have no experts, on the core
+    if (a.n_override_tensor > 0 || powerinfer_model_arch_of_file(a.model) == 0) {
         rc = run_on_libllama(&a, prompt);
         free(prompt);
         return rc;
