@@ -166,6 +166,57 @@ def test_per_layer_table_of_core_files_maps_to_tensors(smollm2_path, tmp_path):
     assert got == pytest.approx(want)
 
 
+_GROUP_CHILD = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+from powerinfer_py._core import accel
+path = sys.argv[1]
+with accel.armed(path) as (tag, _):
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+llm.eval(llm.tokenize(b"The river rose in the spring and the farmers"))
+rows = []
+for _ in range(8):
+    row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+    rows.append(row.tolist())
+    llm.eval([int(row.argmax())])
+ws = [w for w in accel.weights(tag) if w["sparse"]]
+print(json.dumps({"rows": rows, "weights": ws}))
+"""
+
+
+def test_matrices_sharing_an_input_share_one_copy(smollm2_path, tmp_path):
+    """q/k/v and gate/up of a layer with one threshold share one column copy and run as one
+    product (as in the core): the same kept columns, so the same logits as every matrix alone
+    (POWERINFER_ACCEL_GROUPS=0; measured bit-identical on SmolLM2's Q4_1), shared counters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    taus = np.full((31, 4), 0.02, dtype=np.float32)
+    taus[5, 2] = -1.0  # layer 5's gate/up dense: no group there
+    out = tmp_path / "core.gguf"
+    write_sparse_model(smollm2_path, str(out), taus, 0.3, "greedy", progress=False)
+    runs = {}
+    for groups in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", _GROUP_CHILD, str(out)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "POWERINFER_ACCEL_GROUPS": groups})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[groups] = json.loads(r.stdout.strip().splitlines()[-1])
+    grouped = {w["name"]: w for w in runs["1"]["weights"]}
+    alone = {w["name"]: w for w in runs["0"]["weights"]}
+    assert set(grouped) == set(alone)
+    for name, w in grouped.items():
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        want = 3 if kind in ("attn_q", "attn_k", "attn_v") else 2 if kind in ("ffn_gate", "ffn_up") and ".5." not in name else 1
+        assert w["group_size"] == want and alone[name]["group_size"] == 1, (name, w["group_size"])
+        # the group's counters are the input's, as each matrix alone counts them
+        assert (w["n_active"], w["n_total"]) == (alone[name]["n_active"], alone[name]["n_total"]), name
+    a, b = np.array(runs["1"]["rows"]), np.array(runs["0"]["rows"])
+    assert np.max(np.abs(a - b)) <= 1e-4 * np.abs(b).max(), np.max(np.abs(a - b))
+
+
 def test_bad_files_are_refused(tmp_path, smollm2_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)

@@ -73,6 +73,7 @@ def weights(tag: int) -> List[Dict[str, Any]]:
             "bytes": int(w.bytes),
             "n_active": int(w.n_active),
             "n_total": int(w.n_total),
+            "group_size": int(w.group_size),
         }
         for w in (arr[i] for i in range(n))
     ]

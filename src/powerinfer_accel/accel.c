@@ -43,8 +43,21 @@ static size_t align_up(size_t n) { return (n + ACCEL_ALIGN - 1) / ACCEL_ALIGN * 
 // ---------------------------------------------------------------- the armed rules
 
 struct accel_rule {
-    char  name[GGML_MAX_NAME];
-    float threshold;
+    char    name[GGML_MAX_NAME];
+    float   threshold;
+    int32_t group, member;  // the group of matrices sharing its input it belongs to (-1: none)
+};
+
+// Matrices of one layer that read the same input with the same threshold (q/k/v; gate/up) share
+// one column copy, as the core's: a column holds the input entry's weights in every matrix, so
+// one product reads them together (one pass over the kept columns, one quantization of the
+// input, one operator). The copy sits after the first member's data; the planned layout comes
+// from the file's tensor shapes, read when armed.
+struct accel_group_def {
+    int32_t          n;                           // members, in segment order
+    int32_t          rule[PI_COLMAT_MAX_SEGS];
+    size_t           bytes;                       // the joint copy
+    struct pi_colmat plan;
 };
 
 static pthread_mutex_t     g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -55,6 +68,10 @@ static int32_t             g_tag;      // of the armed model; weights placed whi
 static int32_t             g_tags;     // tags handed out
 static int32_t             g_max_batch = PI_COLMAT_MAX_TOKENS;
 static int32_t             g_ops_all = 1;  // claim every op the CPU runs next to ours (fewer splits)
+static int32_t             g_groups_on = 1;  // POWERINFER_ACCEL_GROUPS=0: every matrix its own copy
+static struct accel_group_def * g_group_defs;  // of the armed file
+static int32_t             g_n_group_defs;
+static struct accel_group ** g_group_objs;     // [g_n_group_defs]: the armed load's groups, as placed
 
 static const struct accel_rule * rule_of(const char * name) {
     for (int32_t i = 0; i < g_n_rules; ++i) {
@@ -79,6 +96,7 @@ static int add_rule(struct accel_rule ** rules, int32_t * n, int32_t * cap, cons
         *cap   = c;
     }
     snprintf((*rules)[*n].name, GGML_MAX_NAME, "%s", name);
+    (*rules)[*n].group = (*rules)[*n].member = -1;
     (*rules)[(*n)++].threshold = threshold;
     return 0;
 }
@@ -154,21 +172,102 @@ done:
     return status;
 }
 
+static int32_t rule_index(const struct accel_rule * rules, int32_t n, const char * name) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (strcmp(rules[i].name, name) == 0) return i;
+    }
+    return -1;
+}
+
+// The groups of the rules: per layer, q/k/v and gate/up whose thresholds are equal and whose
+// shapes and types have one column form (the file's tensor headers).
+static int find_groups(const char * path, struct accel_rule * rules, int32_t n, struct accel_group_def ** out, int32_t * n_out) {
+    static const char * const k_groups[2][PI_COLMAT_MAX_SEGS] = {
+        { "attn_q.weight", "attn_k.weight", "attn_v.weight" },
+        { "ffn_gate.weight", "ffn_up.weight", NULL },
+    };
+    *out   = NULL;
+    *n_out = 0;
+    struct ggml_context * meta = NULL;
+    struct gguf_init_params gp = { .no_alloc = true, .ctx = &meta };
+    struct gguf_context * g = gguf_init_from_file(path, gp);
+    if (!g || !meta) {
+        if (g) gguf_free(g);
+        return POWERINFER_OK;  // read_rules read it: no groups, then
+    }
+    struct accel_group_def * defs = NULL;
+    int32_t nd = 0, cap = 0;
+    char name[GGML_MAX_NAME + 32];
+    for (int32_t i = 0; i < n; ++i) {
+        int il = -1, k = -1;
+        for (int kk = 0; kk < 2 && k < 0; ++kk) {
+            int used = 0;
+            snprintf(name, sizeof(name), "blk.%%d.%s%%n", k_groups[kk][0]);
+            if (sscanf(rules[i].name, name, &il, &used) == 1 && rules[i].name[used] == '\0') k = kk;
+        }
+        if (k < 0) continue;
+        struct accel_group_def d = { 0 };
+        struct ggml_tensor * w[PI_COLMAT_MAX_SEGS];
+        bool ok = true;
+        for (int m = 0; m < PI_COLMAT_MAX_SEGS && k_groups[k][m] && ok; ++m) {
+            snprintf(name, sizeof(name), "blk.%d.%s", il, k_groups[k][m]);
+            const int32_t r = rule_index(rules, n, name);
+            w[m] = ggml_get_tensor(meta, name);
+            ok = r >= 0 && w[m] && rules[r].threshold == rules[i].threshold && rules[r].group < 0;
+            d.rule[d.n++] = r;
+        }
+        if (!ok || d.n < 2 || (d.bytes = pi_colmat_plan(&d.plan, w, d.n)) == 0) continue;
+        if (nd == cap) {
+            const int32_t c = cap ? 2 * cap : 64;
+            struct accel_group_def * nd_ = realloc(defs, (size_t) c * sizeof(*defs));
+            if (!nd_) {
+                free(defs);
+                gguf_free(g);
+                ggml_free(meta);
+                return pi_fail(POWERINFER_ERR_NO_MEMORY, "out of memory reading %s", path);
+            }
+            defs = nd_;
+            cap  = c;
+        }
+        for (int m = 0; m < d.n; ++m) {
+            rules[d.rule[m]].group  = nd;
+            rules[d.rule[m]].member = m;
+        }
+        defs[nd++] = d;
+    }
+    gguf_free(g);
+    ggml_free(meta);
+    *out   = defs;
+    *n_out = nd;
+    return POWERINFER_OK;
+}
+
 int32_t powerinfer_accel_arm(const char * path, int32_t mode) {
     if (mode < POWERINFER_ACCEL_SPARSE || mode > POWERINFER_ACCEL_CALIBRATE) {
         return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_accel_arm: mode %d is not sparse (1), passthrough (2) or calibrate (3)", mode);
     }
     struct accel_rule * rules = NULL;
-    int32_t n = 0;
+    struct accel_group_def * defs = NULL;
+    int32_t n = 0, n_defs = 0;
     if (mode != POWERINFER_ACCEL_CALIBRATE) {
         if (!path) return pi_fail(POWERINFER_ERR_INVALID_ARG, "powerinfer_accel_arm: no file");
-        const int st = read_rules(path, &rules, &n);
-        if (st != POWERINFER_OK) return st;
+        int st = read_rules(path, &rules, &n);
+        if (st == POWERINFER_OK && mode == POWERINFER_ACCEL_SPARSE && g_groups_on) st = find_groups(path, rules, n, &defs, &n_defs);
+        if (st != POWERINFER_OK) {
+            free(rules);
+            return st;
+        }
     }
     pthread_mutex_lock(&g_lock);
     free(g_rules);
+    free(g_group_defs);
     g_rules   = rules;
     g_n_rules = n;
+    free(g_group_objs);
+    g_group_defs   = defs;
+    g_n_group_defs = n_defs;
+    g_group_objs   = n_defs > 0 ? calloc((size_t) n_defs, sizeof(*g_group_objs)) : NULL;
+    if (n_defs > 0 && !g_group_objs) g_n_group_defs = 0;
     g_mode    = mode;
     g_tag     = ++g_tags;
     const int32_t tag = g_tag;
@@ -179,8 +278,13 @@ int32_t powerinfer_accel_arm(const char * path, int32_t mode) {
 void powerinfer_accel_disarm(void) {
     pthread_mutex_lock(&g_lock);
     free(g_rules);
+    free(g_group_defs);
     g_rules   = NULL;
     g_n_rules = 0;
+    free(g_group_objs);
+    g_group_defs   = NULL;
+    g_group_objs   = NULL;
+    g_n_group_defs = 0;
     g_mode    = POWERINFER_ACCEL_OFF;
     g_tag     = 0;
     pthread_mutex_unlock(&g_lock);
@@ -217,7 +321,20 @@ struct accel_weight {
     int32_t               filled;      // the column copies are written
     int32_t               sync[2];     // the fill's barrier
     struct ggml_tensor *  tensor;
+    struct accel_group *  grp;         // a member of a group sharing one copy (cm NULL), or NULL
+    int32_t               member;
     struct accel_weight * next;        // g_weights
+};
+
+// A group's shared state: its members as placed (NULL until then), the joint copy after member
+// 0's data, one threshold and one pair of counters. Freed with its last member.
+struct accel_group {
+    int32_t               n, refs, id;  // id: member 0's record id (the operator's slot)
+    struct accel_weight * member[PI_COLMAT_MAX_SEGS];
+    struct pi_colmat      cm;
+    bool                  bound;        // member 0 is placed and cm points after its data
+    struct pi_active_stat stat;
+    int32_t               filled, sync[2];
 };
 
 static struct accel_weight * g_weights;  // every live weight record (g_lock)
@@ -279,7 +396,10 @@ static size_t weight_alloc_size(const struct ggml_tensor * t) {
     pthread_mutex_lock(&g_lock);
     float thr;
     struct pi_colmat cm;
-    if (g_mode == POWERINFER_ACCEL_SPARSE && wants_sparse(t, &thr)) {
+    const struct accel_rule * r = g_mode == POWERINFER_ACCEL_SPARSE ? rule_of(t->name) : NULL;
+    if (r && r->group >= 0 && r->group < g_n_group_defs) {
+        if (r->member == 0) copies = align_up(g_group_defs[r->group].bytes);  // the group's copy
+    } else if (g_mode == POWERINFER_ACCEL_SPARSE && wants_sparse(t, &thr)) {
         const size_t b = colmat_bytes(t, &cm);
         if (b) copies = align_up(b) * (size_t) t->ne[2];
     }
@@ -315,7 +435,33 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
         pthread_mutex_unlock(&g_lock);
         return GGML_STATUS_ALLOC_FAILED;
     }
-    if (sparse) {
+    const struct accel_rule * gr = sparse ? rule_of(t->name) : NULL;
+    if (gr && (gr->group < 0 || gr->group >= g_n_group_defs || !g_group_objs)) gr = NULL;
+    if (gr) {  // a member of a group: the group's copy, after member 0's data
+        const struct accel_group_def * d = &g_group_defs[gr->group];
+        struct accel_group * grp = g_group_objs[gr->group];
+        if (!grp && (grp = g_group_objs[gr->group] = calloc(1, sizeof(*grp)))) {
+            grp->n              = d->n;
+            grp->stat.threshold = thr;
+        }
+        if (!grp) {
+            free(w->hist);
+            free(w);
+            pthread_mutex_unlock(&g_lock);
+            return GGML_STATUS_ALLOC_FAILED;
+        }
+        grp->member[gr->member] = w;
+        grp->refs++;
+        if (gr->member == 0) {
+            grp->cm = d->plan;
+            pi_colmat_bind(&grp->cm, (char *) t->data + align_up(ggml_nbytes(t)));
+            grp->bound = true;
+            grp->id    = w->id;
+        }
+        w->grp    = grp;
+        w->member = gr->member;
+        w->sparse = true;
+    } else if (sparse) {
         w->cm = calloc((size_t) w->n_mats, sizeof(*w->cm));
         if (!w->cm) {
             free(w->cm);
@@ -364,6 +510,16 @@ static void accel_buffer_free(ggml_backend_buffer_t buffer) {
                 break;
             }
         }
+        if (w->grp) {
+            w->grp->member[w->member] = NULL;
+            if (w->member == 0) w->grp->bound = false;
+            if (--w->grp->refs == 0) {
+                for (int32_t g = 0; g < g_n_group_defs && g_group_objs; ++g) {
+                    if (g_group_objs[g] == w->grp) g_group_objs[g] = NULL;
+                }
+                free(w->grp);
+            }
+        }
         free(w->cm);
         free(w->hist);
         free(w);
@@ -382,6 +538,7 @@ static void * accel_buffer_get_base(ggml_backend_buffer_t buffer) {
 static void mark_unfilled(struct ggml_tensor * t) {
     struct accel_weight * w = t->extra;
     if (w && w->sparse) __atomic_store_n(&w->filled, 0, __ATOMIC_RELEASE);
+    if (w && w->grp) __atomic_store_n(&w->grp->filled, 0, __ATOMIC_RELEASE);
 }
 
 static void accel_buffer_memset_tensor(ggml_backend_buffer_t b, struct ggml_tensor * t, uint8_t v, size_t off, size_t size) {
@@ -410,7 +567,10 @@ static bool accel_buffer_cpy_tensor(ggml_backend_buffer_t b, const struct ggml_t
 static void accel_buffer_clear(ggml_backend_buffer_t buffer, uint8_t v) {
     struct accel_buffer * ab = buffer->context;
     memset(ab->data, v, ab->size);
-    for (int32_t i = 0; i < ab->n_records; ++i) __atomic_store_n(&ab->records[i]->filled, 0, __ATOMIC_RELEASE);
+    for (int32_t i = 0; i < ab->n_records; ++i) {
+        __atomic_store_n(&ab->records[i]->filled, 0, __ATOMIC_RELEASE);
+        if (ab->records[i]->grp) __atomic_store_n(&ab->records[i]->grp->filled, 0, __ATOMIC_RELEASE);
+    }
 }
 
 static const struct ggml_backend_buffer_i k_buffer_i = {
@@ -474,7 +634,19 @@ struct accel_swap {
     struct ggml_tensor * node;
     enum ggml_op         op;
     int32_t              params[GGML_MAX_OP_PARAMS / sizeof(int32_t)];
+    void *               extra;  // the node's, while it points at its group role
 };
+
+// What a group member's node does while swapped in (node->extra points here): the first of the
+// group's nodes runs the joint product into a slot and takes its rows; the others take theirs.
+struct accel_role {
+    struct accel_group * grp;
+    int32_t              member;
+    bool                 runs;
+    float *              slot;   // [T][the group's rows], in be->slots
+};
+
+#define ACCEL_MAX_SLOTS 8
 
 struct accel_backend {
     ggml_backend_t        cpu;        // computes every split, our nodes included
@@ -487,6 +659,10 @@ struct accel_backend {
     struct ggml_tensor *  tmpl;
     struct accel_swap *   swapped;    // nodes turned into the custom op during a compute
     int32_t               n_swapped, cap_swapped;
+    struct accel_role *   roles;      // of the group members' nodes in this compute
+    int32_t               cap_roles;
+    float *               slots;      // the groups' joint results: ACCEL_MAX_SLOTS of slot_floats
+    size_t                slot_floats, cap_slots;
     int32_t               sync[2];    // the MoE loop's barrier
     struct ggml_context * part_ctx;   // calibration: a graph of one run of the split's nodes
     struct ggml_cgraph *  part;
@@ -529,6 +705,26 @@ static struct pi_input_op * ops_of(struct accel_backend * be, struct accel_weigh
     return be->ops[w->id];
 }
 
+// The group's operator state in this backend (in the table slot of member 0's record id).
+static struct pi_input_op * group_ops_of(struct accel_backend * be, struct accel_group * grp) {
+    if (grp->id >= be->n_ops) {
+        const int32_t n = grp->id + 256;
+        struct pi_input_op ** o = realloc(be->ops, (size_t) n * sizeof(*o));
+        if (!o) return NULL;
+        memset(o + be->n_ops, 0, (size_t) (n - be->n_ops) * sizeof(*o));
+        be->ops   = o;
+        be->n_ops = n;
+    }
+    if (!be->ops[grp->id]) {
+        struct pi_input_op * op = calloc(1, sizeof(*op));
+        if (!op) return NULL;
+        op->cm   = &grp->cm;
+        op->stat = &grp->stat;
+        be->ops[grp->id] = op;
+    }
+    return be->ops[grp->id];
+}
+
 // The MoE layout inside the work memory: routed (expert, slot, token) triples, counts per
 // expert, then the gathered inputs and the results of one piece of at most PI_COLMAT_MAX_TOKENS.
 struct moe_layout {
@@ -554,7 +750,7 @@ static bool runs_sparse(const struct ggml_tensor * node) {
     const struct ggml_tensor * wt = node->src[0];
     if (!in_our_buffer(wt) || wt->view_src) return false;
     const struct accel_weight * w = wt->extra;
-    if (!w || !w->sparse) return false;
+    if (!w || !w->sparse || w->grp) return false;  // a group's members run together (group_pass)
     const struct ggml_tensor * x = node->src[1];
     if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32) return false;
     const int64_t max_batch = __atomic_load_n(&g_max_batch, __ATOMIC_RELAXED);
@@ -580,6 +776,31 @@ static void fill_once(struct accel_weight * w, int ith, int nth) {
     }
     spin_barrier(w->sync, nth);
     if (ith == 0) __atomic_store_n(&w->filled, 1, __ATOMIC_RELEASE);
+}
+
+static void fill_group_once(struct accel_group * grp, int ith, int nth) {
+    if (__atomic_load_n(&grp->filled, __ATOMIC_ACQUIRE)) return;
+    struct ggml_tensor * mats[PI_COLMAT_MAX_SEGS];
+    for (int32_t m = 0; m < grp->n; ++m) mats[m] = grp->member[m]->tensor;
+    pi_colmat_fill(&grp->cm, mats, ith, nth);
+    spin_barrier(grp->sync, nth);
+    if (ith == 0) __atomic_store_n(&grp->filled, 1, __ATOMIC_RELEASE);
+}
+
+// A group member's node: the first runs the joint product into its slot; each takes its rows.
+static void run_group_member(struct accel_backend * be, struct ggml_tensor * node, const struct accel_role * role, int ith, int nth) {
+    struct accel_group * grp = role->grp;
+    const int64_t T = node->src[1]->ne[1];
+    if (role->runs) {
+        fill_group_once(grp, ith, nth);
+        pi_input_sparse_run(be->ops[grp->id], node->src[1], role->slot, be->work, ith, nth);
+        spin_barrier(be->sync, nth);
+    }
+    const struct pi_colmat_seg * sg = &grp->cm.seg[role->member];
+    const int64_t n_out = grp->cm.n_out;
+    for (int64_t t = ith; t < T; t += nth) {
+        memcpy((float *) node->data + t * sg->n_rows, role->slot + t * n_out + sg->row0, (size_t) sg->n_rows * sizeof(float));
+    }
 }
 
 static void run_mul_mat(struct accel_backend * be, struct ggml_tensor * node, struct accel_weight * w, int ith, int nth) {
@@ -653,6 +874,10 @@ static void run_mul_mat_id(struct accel_backend * be, struct ggml_tensor * node,
 static void accel_custom(struct ggml_tensor * node, int ith, int nth, void * userdata) {
     struct accel_backend * be = userdata;
     struct accel_weight * w = node->src[0]->extra;
+    if (w->grp) {
+        run_group_member(be, node, node->extra, ith, nth);
+        return;
+    }
     fill_once(w, ith, nth);
     if (w->n_mats == 1) {
         run_mul_mat(be, node, w, ith, nth);
@@ -672,6 +897,139 @@ static bool ensure_work(struct accel_backend * be, size_t need) {
     return true;
 }
 
+// Records node's op, params and extra, and turns it into our custom op.
+static bool swap_node(struct accel_backend * be, struct ggml_tensor * node) {
+    if (be->n_swapped == be->cap_swapped) {
+        const int32_t c = be->cap_swapped ? 2 * be->cap_swapped : 512;
+        struct accel_swap * sw = realloc(be->swapped, (size_t) c * sizeof(*sw));
+        if (!sw) return false;
+        be->swapped     = sw;
+        be->cap_swapped = c;
+    }
+    struct accel_swap * sw = &be->swapped[be->n_swapped++];
+    sw->node  = node;
+    sw->op    = node->op;
+    sw->extra = node->extra;
+    memcpy(sw->params, node->op_params, sizeof(sw->params));
+    node->op = GGML_OP_CUSTOM;
+    memcpy(node->op_params, be->tmpl->op_params, sizeof(sw->params));  // (function, tasks, this backend)
+    return true;
+}
+
+// Index of node in g, searching from `from`.
+static int node_index(struct ggml_cgraph * g, const struct ggml_tensor * node, int from) {
+    const int n = ggml_graph_n_nodes(g);
+    for (int j = from; j < n; ++j) {
+        if (ggml_graph_node(g, j) == node) return j;
+    }
+    return from;
+}
+
+// A slot free from node `at` on (its last reader before it), or a new one; -1: none left.
+static int free_slot(int * slot_end, int * n_slots, int at) {
+    for (int s = 0; s < *n_slots; ++s) {
+        if (slot_end[s] < at) return s;
+    }
+    return *n_slots < ACCEL_MAX_SLOTS ? (*n_slots)++ : -1;
+}
+
+// The groups whose members' nodes all read one input in this split, batches up to the max:
+// their nodes become the custom op with a role (the first runs the product into a slot, which no
+// other group uses until the group's last node). A group split across graphs, or beyond the
+// slots, is left to ggml: its members have no copies of their own.
+static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
+    const int n = ggml_graph_n_nodes(g);
+    const int64_t max_batch = __atomic_load_n(&g_max_batch, __ATOMIC_RELAXED);
+    int32_t n_roles = 0;
+    for (int i = 0; i < n; ++i) {  // roles: at most one per node
+        const struct ggml_tensor * node = ggml_graph_node(g, i);
+        n_roles += node->op == GGML_OP_MUL_MAT && in_our_buffer(node->src[0]) && node->src[0]->extra &&
+                   ((const struct accel_weight *) node->src[0]->extra)->grp;
+    }
+    if (n_roles == 0) return;
+    if (n_roles > be->cap_roles) {
+        struct accel_role * r = realloc(be->roles, (size_t) n_roles * sizeof(*r));
+        if (!r) return;
+        be->roles     = r;
+        be->cap_roles = n_roles;
+    }
+    int32_t used = 0;
+    int     slot_end[ACCEL_MAX_SLOTS] = { 0 };  // the node index of each slot's last reader
+    int     n_slots = 0;
+    size_t  slot_floats = 0;
+    for (int i = 0; i < n; ++i) {
+        struct ggml_tensor * node = ggml_graph_node(g, i);
+        if (node->op != GGML_OP_MUL_MAT || !in_our_buffer(node->src[0]) || node->src[0]->view_src) continue;
+        struct accel_weight * w = node->src[0]->extra;
+        if (!w || !w->grp) continue;
+        struct accel_group * grp = w->grp;
+        const struct ggml_tensor * x = node->src[1];
+        // the group starts at its first node in this graph: find the others, after it
+        bool seen = false;
+        for (int32_t r = 0; r < used && !seen; ++r) seen = be->roles[r].grp == grp;
+        if (seen || !grp->bound) continue;
+        if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || x->ne[2] != 1 || x->ne[3] != 1 ||
+            x->ne[1] < 1 || x->ne[1] > max_batch) continue;
+        struct ggml_tensor * nodes[PI_COLMAT_MAX_SEGS] = { 0 };
+        int last = i, found = 0;
+        for (int j = i; j < n && found < grp->n; ++j) {
+            struct ggml_tensor * o = ggml_graph_node(g, j);
+            if (o->op != GGML_OP_MUL_MAT || o->src[1] != x || !in_our_buffer(o->src[0]) || o->src[0]->view_src) continue;
+            const struct accel_weight * ow = o->src[0]->extra;
+            if (!ow || ow->grp != grp || nodes[ow->member] || o->type != GGML_TYPE_F32 ||
+                o->nb[1] != (size_t) o->ne[0] * sizeof(float)) continue;
+            nodes[ow->member] = o;
+            last = j;
+            found++;
+        }
+        // Every member found runs sparse. Complete here (the usual case), the first runs the
+        // product for all; split across graphs (an eval callback asks for each node), each found
+        // member runs it alone and takes its own rows: the same values, at the group's cost each.
+        const bool complete = found == grp->n;
+        struct pi_input_op * op = group_ops_of(be, grp);
+        if (!op) continue;
+        op->n_threads = be->n_threads;
+        if (!ensure_work(be, pi_input_sparse_work_size(&grp->cm, x->ne[1], be->n_threads))) continue;
+        const size_t need = (size_t) grp->cm.n_out * (size_t) x->ne[1];
+        if (need > slot_floats) slot_floats = need;
+        const int start = complete ? free_slot(slot_end, &n_slots, i) : 0;
+        if (complete && start < 0) continue;  // left to ggml, dense; never with llama's graphs
+        if (complete) slot_end[start] = last;
+        for (int32_t m = 0; m < grp->n; ++m) {
+            if (!nodes[m]) continue;
+            int sl = start;
+            if (!complete) {
+                const int at = node_index(g, nodes[m], i);
+                if ((sl = free_slot(slot_end, &n_slots, at)) < 0) break;
+                slot_end[sl] = at;
+            }
+            struct accel_role * role = &be->roles[used];
+            role->grp    = grp;
+            role->member = m;
+            role->runs   = !complete || nodes[m] == node;
+            role->slot   = (float *) (uintptr_t) sl;  // the slot's index until the slots exist
+            if (!swap_node(be, nodes[m])) continue;
+            nodes[m]->extra = role;
+            used++;
+        }
+    }
+    // the slots, then each role's pointer into them
+    slot_floats = (slot_floats + 15) / 16 * 16;
+    const size_t total = slot_floats * (size_t) n_slots;
+    if (total > be->cap_slots) {
+        void * p = NULL;
+        if (posix_memalign(&p, ACCEL_ALIGN, total * sizeof(float)) == 0) {
+            free(be->slots);
+            be->slots     = p;
+            be->cap_slots = total;
+        }
+    }
+    for (int32_t r = 0; r < used; ++r) {
+        const size_t s = (size_t) (uintptr_t) be->roles[r].slot;
+        be->roles[r].slot = total <= be->cap_slots ? be->slots + s * slot_floats : NULL;
+    }
+}
+
 // Turns a sparse node into our custom op (its memory sized first); false leaves it to ggml.
 static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
     struct accel_weight * w = node->src[0]->extra;
@@ -682,20 +1040,7 @@ static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
     size_t need = pi_input_sparse_work_size(&w->cm[0], T, be->n_threads);
     if (node->op == GGML_OP_MUL_MAT_ID) need = moe_layout_of(w, node, need).total;
     if (!ensure_work(be, need)) return false;
-    if (be->n_swapped == be->cap_swapped) {
-        const int32_t c = be->cap_swapped ? 2 * be->cap_swapped : 512;
-        struct accel_swap * sw = realloc(be->swapped, (size_t) c * sizeof(*sw));
-        if (!sw) return false;
-        be->swapped     = sw;
-        be->cap_swapped = c;
-    }
-    struct accel_swap * sw = &be->swapped[be->n_swapped++];
-    sw->node = node;
-    sw->op   = node->op;
-    memcpy(sw->params, node->op_params, sizeof(sw->params));
-    node->op = GGML_OP_CUSTOM;
-    memcpy(node->op_params, be->tmpl->op_params, sizeof(sw->params));  // (function, tasks, this backend)
-    return true;
+    return swap_node(be, node);
 }
 
 static bool calibrating(const struct ggml_tensor * node) {
@@ -748,10 +1093,18 @@ static enum ggml_status accel_graph_compute(ggml_backend_t backend, struct ggml_
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if ((node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_MUL_MAT_ID) && runs_sparse(node)) swap_in(be, node);
     }
-    const enum ggml_status st = ggml_backend_graph_compute(be->cpu, g);
+    group_pass(be, g);
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    for (int32_t i = 0; i < be->n_swapped; ++i) {  // slots that could not be allocated
+        const struct ggml_tensor * node = be->swapped[i].node;
+        const struct accel_weight * w = node->src[0]->extra;
+        if (w && w->grp && !((const struct accel_role *) node->extra)->slot) st = GGML_STATUS_ALLOC_FAILED;
+    }
+    if (st == GGML_STATUS_SUCCESS) st = ggml_backend_graph_compute(be->cpu, g);
     for (int32_t i = 0; i < be->n_swapped; ++i) {
         struct accel_swap * sw = &be->swapped[i];
-        sw->node->op = sw->op;
+        sw->node->op    = sw->op;
+        sw->node->extra = sw->extra;
         memcpy(sw->node->op_params, sw->params, sizeof(sw->params));
     }
     be->n_swapped = 0;
@@ -767,6 +1120,8 @@ static void accel_backend_free(ggml_backend_t backend) {
     free(be->ops);
     free(be->work);
     free(be->swapped);
+    free(be->roles);
+    free(be->slots);
     ggml_free(be->tmpl_ctx);
     ggml_free(be->part_ctx);
     free(be);
@@ -978,6 +1333,8 @@ static ggml_backend_dev_t accel_device(void) {
 static void read_env(void) {
     const char * ops = getenv("POWERINFER_ACCEL_OPS");
     if (ops && strcmp(ops, "weights") == 0) g_ops_all = 0;
+    const char * groups = getenv("POWERINFER_ACCEL_GROUPS");
+    if (groups && strcmp(groups, "0") == 0) g_groups_on = 0;
 }
 
 ggml_backend_reg_t pi_accel_reg(void) {
@@ -1027,8 +1384,10 @@ int32_t powerinfer_accel_weights(int32_t tag, struct powerinfer_accel_weight * o
             o->n_out     = w->tensor->ne[1];
             o->bytes     = ggml_nbytes(w->tensor);
             o->type      = (int32_t) w->tensor->type;
-            o->n_active  = __atomic_load_n(&w->stat.n_active, __ATOMIC_RELAXED);
-            o->n_total   = __atomic_load_n(&w->stat.n_total, __ATOMIC_RELAXED);
+            const struct pi_active_stat * st = w->grp ? &w->grp->stat : &w->stat;  // a group's members share theirs
+            o->n_active  = __atomic_load_n(&st->n_active, __ATOMIC_RELAXED);
+            o->n_total   = __atomic_load_n(&st->n_total, __ATOMIC_RELAXED);
+            o->group_size = w->grp ? w->grp->n : 1;
         }
         ++n;
     }
@@ -1059,6 +1418,10 @@ void powerinfer_accel_reset_stats(int32_t tag) {
         if (w->tag != tag) continue;
         __atomic_store_n(&w->stat.n_active, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&w->stat.n_total, 0, __ATOMIC_RELAXED);
+        if (w->grp) {
+            __atomic_store_n(&w->grp->stat.n_active, 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&w->grp->stat.n_total, 0, __ATOMIC_RELAXED);
+        }
         if (w->hist) memset(w->hist, 0, PI_HIST_BINS * sizeof(uint64_t));
     }
     pthread_mutex_unlock(&g_lock);

@@ -614,6 +614,7 @@ struct powerinfer_accel_weight {
     uint64_t bytes;      // of the weight (its column copies as many again)
     int64_t  n_active;   // kept input entries, summed over the runs
     int64_t  n_total;    // entries considered
+    int32_t  group_size; // matrices sharing this one's input and column copy (q/k/v, gate/up; counters shared), 1 alone
 };
 // Registers the module's device with ggml's registry (the libggml.so.0 libllama uses); idempotent.
 POWERINFER_API int32_t powerinfer_accel_register(void);
