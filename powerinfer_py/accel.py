@@ -14,15 +14,12 @@ file without thresholds places nothing in the module: it runs exactly as before)
 
 from __future__ import annotations
 
-import functools
-import threading
 import weakref
 from typing import Any, Dict, Optional
 
 from ._core import accel as _accel
 from ._llama import upstream
 
-_LOCK = threading.Lock()
 _TAGS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _LAST: Dict[str, int] = {}
 
@@ -31,27 +28,25 @@ def enable() -> None:
     """Registers the module and makes every later llama_cpp model load arm it with the
     thresholds of its own file (idempotent)."""
     _accel.register()
-    mod = upstream.module("llama_cpp")  # the ctypes functions, which llama_cpp._internals calls
-    with _LOCK:
-        load = mod.llama_model_load_from_file
-        if getattr(load, "__powerinfer_accel__", False):
-            return
+    upstream.wrap_model_loader("accel", _load_armed)
 
-        @functools.wraps(load)
-        def load_armed(path_model: bytes, params: Any):
-            path = path_model.decode("utf-8", errors="surrogateescape") if isinstance(path_model, bytes) else str(path_model)
-            with _accel.armed(path, _accel.SPARSE) as (tag, _n_rules):
-                model = load(path_model, params)
-            if model:
-                _LAST[path] = tag
-            return model
 
-        load_armed.__powerinfer_accel__ = True  # type: ignore[attr-defined]
-        mod.llama_model_load_from_file = load_armed
+def _load_armed(load: Any, path_model: bytes, params: Any):
+    path = path_model.decode("utf-8", errors="surrogateescape") if isinstance(path_model, bytes) else str(path_model)
+    with _accel.armed(path, _accel.SPARSE) as (tag, _n_rules):
+        model = load(path_model, params)
+    if model:
+        _LAST[path] = tag
+    return model
 
 
 def enabled() -> bool:
-    return bool(getattr(upstream.module("llama_cpp").llama_model_load_from_file, "__powerinfer_accel__", False))
+    wrapper = upstream.module("llama_cpp").llama_model_load_from_file
+    while wrapper is not None:
+        if getattr(wrapper, "__powerinfer_marker__", None) == "accel":
+            return True
+        wrapper = getattr(wrapper, "__wrapped__", None)
+    return False
 
 
 def tag_of(llm: Any) -> Optional[int]:

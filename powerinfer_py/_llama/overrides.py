@@ -17,7 +17,6 @@ field as a bare pointer): `installed()` fills the field for the loads of the cal
 from __future__ import annotations
 
 import ctypes
-import functools
 import re
 import threading
 from contextlib import contextmanager
@@ -111,29 +110,21 @@ class Overrides:
 
 
 _local = threading.local()
-_LOCK = threading.Lock()
+
+
+def _load_with_overrides(load: Any, path_model: Any, params: Any):
+    pending: Optional[Overrides] = getattr(_local, "pending", None)
+    if pending is not None and pending.pairs:
+        params.tensor_buft_overrides = pending.address
+    for name, value in (getattr(_local, "fields", None) or {}).items():
+        setattr(params, name, value)
+    return load(path_model, params)
 
 
 def _install_hook() -> None:
     """Wraps llama-cpp-python's model loader once: a load on a thread inside installed()
     gets that thread's overrides and fields (the others load as before)."""
-    mod = upstream.module("llama_cpp")
-    with _LOCK:
-        load = mod.llama_model_load_from_file
-        if getattr(load, "__powerinfer_overrides__", False):
-            return
-
-        @functools.wraps(load)
-        def load_with_overrides(path_model: Any, params: Any):
-            pending: Optional[Overrides] = getattr(_local, "pending", None)
-            if pending is not None and pending.pairs:
-                params.tensor_buft_overrides = pending.address
-            for name, value in (getattr(_local, "fields", None) or {}).items():
-                setattr(params, name, value)
-            return load(path_model, params)
-
-        load_with_overrides.__powerinfer_overrides__ = True  # type: ignore[attr-defined]
-        mod.llama_model_load_from_file = load_with_overrides
+    upstream.wrap_model_loader("overrides", _load_with_overrides)
 
 
 @contextmanager

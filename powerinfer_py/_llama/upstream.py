@@ -10,10 +10,12 @@ sys.modules: our own code therefore always gets the real llama_cpp, whatever
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
+import threading
 import types
-from typing import Dict
+from typing import Any, Callable, Dict
 
 # Set on the alias modules install_as_llama_cpp() creates.
 SHIM_MARK = "__powerinfer_shim__"
@@ -89,3 +91,26 @@ def llama_tokenizer() -> types.ModuleType:
 def llama_speculative() -> types.ModuleType:
     """llama_cpp.llama_speculative: LlamaDraftModel, LlamaPromptLookupDecoding."""
     return module("llama_speculative")
+
+
+_WRAP_LOCK = threading.Lock()
+
+
+def wrap_model_loader(marker: str, around: Callable[[Callable[..., Any], Any, Any], Any]) -> None:
+    """Replaces llama_cpp's llama_model_load_from_file (which llama_cpp._internals calls by
+    module attribute) with one that calls around(load, path_model, params), once per marker."""
+    mod = module("llama_cpp")
+    with _WRAP_LOCK:
+        load = mod.llama_model_load_from_file
+        wrapper = load
+        while wrapper is not None:  # already wrapped for this marker, under other wrappers too
+            if getattr(wrapper, "__powerinfer_marker__", None) == marker:
+                return
+            wrapper = getattr(wrapper, "__wrapped__", None)
+
+        @functools.wraps(load)
+        def wrapped(path_model: Any, params: Any):
+            return around(load, path_model, params)
+
+        wrapped.__powerinfer_marker__ = marker  # type: ignore[attr-defined]
+        mod.llama_model_load_from_file = wrapped

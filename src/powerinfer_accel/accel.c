@@ -684,15 +684,21 @@ static void spin_barrier(int32_t * sync, int nth) {
     }
 }
 
-static struct pi_input_op * ops_of(struct accel_backend * be, struct accel_weight * w) {
-    if (w->id >= be->n_ops) {
-        const int32_t n = w->id + 256;
+// The operator table's slot of record id (grown as records appear); NULL when out of memory.
+static struct pi_input_op ** ops_slot(struct accel_backend * be, int32_t id) {
+    if (id >= be->n_ops) {
+        const int32_t n = id + 256;
         struct pi_input_op ** o = realloc(be->ops, (size_t) n * sizeof(*o));
         if (!o) return NULL;
         memset(o + be->n_ops, 0, (size_t) (n - be->n_ops) * sizeof(*o));
         be->ops   = o;
         be->n_ops = n;
     }
+    return &be->ops[id];
+}
+
+static struct pi_input_op * ops_of(struct accel_backend * be, struct accel_weight * w) {
+    if (!ops_slot(be, w->id)) return NULL;
     if (!be->ops[w->id]) {
         struct pi_input_op * op = calloc((size_t) w->n_mats, sizeof(*op));
         if (!op) return NULL;
@@ -707,14 +713,7 @@ static struct pi_input_op * ops_of(struct accel_backend * be, struct accel_weigh
 
 // The group's operator state in this backend (in the table slot of member 0's record id).
 static struct pi_input_op * group_ops_of(struct accel_backend * be, struct accel_group * grp) {
-    if (grp->id >= be->n_ops) {
-        const int32_t n = grp->id + 256;
-        struct pi_input_op ** o = realloc(be->ops, (size_t) n * sizeof(*o));
-        if (!o) return NULL;
-        memset(o + be->n_ops, 0, (size_t) (n - be->n_ops) * sizeof(*o));
-        be->ops   = o;
-        be->n_ops = n;
-    }
+    if (!ops_slot(be, grp->id)) return NULL;
     if (!be->ops[grp->id]) {
         struct pi_input_op * op = calloc(1, sizeof(*op));
         if (!op) return NULL;
