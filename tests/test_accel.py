@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -75,6 +76,16 @@ def test_calibrated_file_and_its_products_match_numpy(smollm2_path, sparse40):
         nodes = ggml_capture.capture(path, [[1, 2, 3, 4, 5], [6], [7]], lambda name: name in sparse,
                                      before_free=lambda: placed.extend(accel.weights(tag)))
     assert {w["name"] for w in placed if w["sparse"]} == sparse
+    # the matrices reading one input have one threshold, and share one column copy (they run
+    # here one node at a time, the capture asking for each: each runs the group's product)
+    from powerinfer_py.pipeline.sparsify import input_key
+
+    by_input: Dict[str, set] = {}
+    for n in sparse:
+        by_input.setdefault(input_key(n), set()).add(thr[n])
+    assert all(len(v) == 1 for v in by_input.values()), by_input
+    sizes = {w["name"]: w["group_size"] for w in placed if w["sparse"]}
+    assert any(size == 3 for size in sizes.values()) and any(size == 2 for size in sizes.values()), sizes
     assert len(nodes) >= 3 * len(sparse) - 3  # every sparse weight, every step (the tied head once per step)
     deq = ggml_capture.dequantized(smollm2_path)
     margins = []

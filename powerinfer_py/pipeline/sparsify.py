@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -508,6 +509,35 @@ def allocate_tensors(counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarra
     return allocate(counts[:, None, :], lo, hi, nbytes[:, None], sparsity, method)[:, 0]
 
 
+# Matrices of a layer that read one input (libllama's tensor names): they get one threshold,
+# so the module runs them from one shared column copy, as the core does (docs/accel.md).
+_SHARED_INPUT = re.compile(r"^(blk\.\d+\.)(?:attn_(?:q|k|v)|ffn_(?:gate|up))(\.weight)$")
+
+
+def input_key(name: str) -> str:
+    """The input a weight reads, as a key: q/k/v of a layer share one, gate/up another."""
+    m = _SHARED_INPUT.match(name)
+    if not m:
+        return name
+    return m.group(1) + ("attn_in" if ".attn_" in name else "ffn_in")
+
+
+def allocate_inputs(names: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
+                    sparsity: float, method: str) -> np.ndarray:
+    """allocate_tensors with the tensors that read one input as one item (their bytes summed,
+    the histograms of that one input summed): per tensor, the share of its input dropped."""
+    keys = [input_key(n) for n in names]
+    items = list(dict.fromkeys(keys))
+    at = {k: i for i, k in enumerate(items)}
+    gcounts = np.zeros((len(items), counts.shape[1]), dtype=counts.dtype)
+    gbytes = np.zeros(len(items), dtype=np.float64)
+    for j, k in enumerate(keys):
+        gcounts[at[k]] += counts[j]
+        gbytes[at[k]] += nbytes[j]
+    shares = allocate_tensors(gcounts, lo, hi, gbytes, sparsity, method)
+    return np.array([shares[at[k]] for k in keys])
+
+
 def sparsify_libllama(model_path: str, out: str, sparsity: float, corpus: Sequence[str], samples: int, n_tokens: int,
                       allocation: str, threads: int, progress: bool = True) -> Dict:
     """sparsify() for an architecture the core does not build (pipeline/libllama.py): a
@@ -522,8 +552,11 @@ def sparsify_libllama(model_path: str, out: str, sparsity: float, corpus: Sequen
         texts = calibration_texts(corpus, samples, model_path, threads)
         names, counts, lo, hi, nbytes, used = libllama.tensor_histograms(model_path, texts, n_tokens, threads,
                                                                          progress=progress)
-        s = allocate_tensors(counts, lo, hi, nbytes, sparsity, method)
-        taus = [threshold_for(counts[k], lo, hi, s[k]) if s[k] > 0 else -1.0 for k in range(len(names))]
+        s = allocate_inputs(names, counts, lo, hi, nbytes, sparsity, method)
+        # one threshold per input: a group's from its summed histogram
+        keys = [input_key(n) for n in names]
+        summed = {k: sum(counts[j] for j in range(len(names)) if keys[j] == k) for k in set(keys)}
+        taus = [threshold_for(summed[keys[k]], lo, hi, s[k]) if s[k] > 0 else -1.0 for k in range(len(names))]
     libllama.write_tensor_thresholds(model_path, out, names, taus, {KEY_INPUT_SPARSITY: sparsity},
                                      {KEY_INPUT_ALLOCATION: label}, progress=progress)
     return {"arch": str(open_gguf(model_path).get_field("general.architecture").contents()), "tokens": used,
