@@ -179,7 +179,7 @@ def test_main_takes_llama_cpps_spellings(smollm2_path, cli_path):
 
     def main(*args):
         return subprocess.run([str(cli_path), "-m", smollm2_path, "-p", prompt, "-n", "8", "--temp", "0", "-t", "2",
-                               *args], capture_output=True, text=True, timeout=120)
+                               *args], capture_output=True, text=True, errors="replace", timeout=120)
 
     out = main("-ot", r"blk\.[0-9]+\.ffn_.*=CPU,attn_q=CPU", "--cpu-moe", "-ncmoe", "2")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -254,6 +254,6 @@ def test_main_keeps_the_experts_on_the_cpu_sparse(moe, cli_path):
     import subprocess
 
     out = subprocess.run([str(cli_path), "-m", moe["t0"], "-p", "hello", "-n", "4", "--temp", "0", "-t", "2",
-                          "-ngl", "99", "--cpu-moe", "-v"], capture_output=True, text=True, timeout=300)
+                          "-ngl", "99", "--cpu-moe", "-v"], capture_output=True, text=True, errors="replace", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "sparse mode = input (the module: 6 weights" in out.stderr, out.stderr[-2000:]
