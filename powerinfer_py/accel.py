@@ -41,12 +41,7 @@ def _load_armed(load: Any, path_model: bytes, params: Any):
 
 
 def enabled() -> bool:
-    wrapper = upstream.module("llama_cpp").llama_model_load_from_file
-    while wrapper is not None:
-        if getattr(wrapper, "__powerinfer_marker__", None) == "accel":
-            return True
-        wrapper = getattr(wrapper, "__wrapped__", None)
-    return False
+    return upstream.model_loader_wrapped("accel")
 
 
 def tag_of(llm: Any) -> Optional[int]:

@@ -472,7 +472,7 @@ class Llama:
         if self._init_params.get("draft_model_path") is not None:
             raise ValueError(f"draft_model_path needs the powerinfer engine, and {core_message} "
                              f"(llama-cpp-python's engine takes draft_model=LlamaPromptLookupDecoding(...))")
-        _fallback_engine.load(self, core_message, params, self.__dict__.get("_tensor_overrides") or [])
+        _fallback_engine.load(self, core_message, params, self._tensor_overrides)
 
     def __getattr__(self, name: str):
         # Only reached for attributes this object lacks: on the fallback engine, every

@@ -55,7 +55,7 @@ def load(llama: Any, core_message: str, params: Dict[str, Any], tensor_overrides
         with accel.armed(llama.model_path) if sparse else contextlib.nullcontext((None, 0)) as (tag, n):
             # repack=False is llama.cpp's --no-repack: no extra CPU buffer types (ggml's repacked
             # layouts; the module is an ACCEL device, which libllama lists apart and keeps)
-            fields = {"use_extra_bufts": False} if llama.__dict__.get("_init_params", {}).get("repack") is False else {}
+            fields = {"use_extra_bufts": False} if llama._init_params.get("repack") is False else {}
             with _overrides.installed(llama._tensor_overrides_array, **fields):
                 fallback = upstream_llama(model_path=llama.model_path, **params)
         llama._accel_tag = tag if n > 0 else None

@@ -101,12 +101,9 @@ def wrap_model_loader(marker: str, around: Callable[[Callable[..., Any], Any, An
     module attribute) with one that calls around(load, path_model, params), once per marker."""
     mod = module("llama_cpp")
     with _WRAP_LOCK:
+        if model_loader_wrapped(marker):
+            return
         load = mod.llama_model_load_from_file
-        wrapper = load
-        while wrapper is not None:  # already wrapped for this marker, under other wrappers too
-            if getattr(wrapper, "__powerinfer_marker__", None) == marker:
-                return
-            wrapper = getattr(wrapper, "__wrapped__", None)
 
         @functools.wraps(load)
         def wrapped(path_model: Any, params: Any):
@@ -114,3 +111,13 @@ def wrap_model_loader(marker: str, around: Callable[[Callable[..., Any], Any, An
 
         wrapped.__powerinfer_marker__ = marker  # type: ignore[attr-defined]
         mod.llama_model_load_from_file = wrapped
+
+
+def model_loader_wrapped(marker: str) -> bool:
+    """Whether wrap_model_loader(marker, ...) is in force (under other wrappers too)."""
+    wrapper = module("llama_cpp").llama_model_load_from_file
+    while wrapper is not None:
+        if getattr(wrapper, "__powerinfer_marker__", None) == marker:
+            return True
+        wrapper = getattr(wrapper, "__wrapped__", None)
+    return False

@@ -523,9 +523,10 @@ def input_key(name: str) -> str:
 
 
 def allocate_inputs(names: Sequence[str], counts: np.ndarray, lo: float, hi: float, nbytes: np.ndarray,
-                    sparsity: float, method: str) -> np.ndarray:
+                    sparsity: float, method: str) -> Tuple[np.ndarray, List[float]]:
     """allocate_tensors with the tensors that read one input as one item (their bytes summed,
-    the histograms of that one input summed): per tensor, the share of its input dropped."""
+    the histograms of that one input summed): per tensor, the share of its input dropped and
+    its threshold (the input's, from the summed histogram; -1: dense)."""
     keys = [input_key(n) for n in names]
     items = list(dict.fromkeys(keys))
     at = {k: i for i, k in enumerate(items)}
@@ -535,7 +536,8 @@ def allocate_inputs(names: Sequence[str], counts: np.ndarray, lo: float, hi: flo
         gcounts[at[k]] += counts[j]
         gbytes[at[k]] += nbytes[j]
     shares = allocate_tensors(gcounts, lo, hi, gbytes, sparsity, method)
-    return np.array([shares[at[k]] for k in keys])
+    taus = [threshold_for(gcounts[i], lo, hi, shares[i]) if shares[i] > 0 else -1.0 for i in range(len(items))]
+    return np.array([shares[at[k]] for k in keys]), [taus[at[k]] for k in keys]
 
 
 def sparsify_libllama(model_path: str, out: str, sparsity: float, corpus: Sequence[str], samples: int, n_tokens: int,
@@ -552,11 +554,7 @@ def sparsify_libllama(model_path: str, out: str, sparsity: float, corpus: Sequen
         texts = calibration_texts(corpus, samples, model_path, threads)
         names, counts, lo, hi, nbytes, used = libllama.tensor_histograms(model_path, texts, n_tokens, threads,
                                                                          progress=progress)
-        s = allocate_inputs(names, counts, lo, hi, nbytes, sparsity, method)
-        # one threshold per input: a group's from its summed histogram
-        keys = [input_key(n) for n in names]
-        summed = {k: sum(counts[j] for j in range(len(names)) if keys[j] == k) for k in set(keys)}
-        taus = [threshold_for(summed[keys[k]], lo, hi, s[k]) if s[k] > 0 else -1.0 for k in range(len(names))]
+        s, taus = allocate_inputs(names, counts, lo, hi, nbytes, sparsity, method)
     libllama.write_tensor_thresholds(model_path, out, names, taus, {KEY_INPUT_SPARSITY: sparsity},
                                      {KEY_INPUT_ALLOCATION: label}, progress=progress)
     return {"arch": str(open_gguf(model_path).get_field("general.architecture").contents()), "tokens": used,

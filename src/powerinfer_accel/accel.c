@@ -643,7 +643,8 @@ struct accel_role {
     struct accel_group * grp;
     int32_t              member;
     bool                 runs;
-    float *              slot;   // [T][the group's rows], in be->slots
+    int32_t              slot_index;
+    float *              slot;   // [T][the group's rows]: slot slot_index of be->slots
 };
 
 #define ACCEL_MAX_SLOTS 8
@@ -963,10 +964,9 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
         if (!w || !w->grp) continue;
         struct accel_group * grp = w->grp;
         const struct ggml_tensor * x = node->src[1];
-        // the group starts at its first node in this graph: find the others, after it
-        bool seen = false;
-        for (int32_t r = 0; r < used && !seen; ++r) seen = be->roles[r].grp == grp;
-        if (seen || !grp->bound) continue;
+        // the group starts at its first node in this graph: find the others, after it (nodes
+        // given a role are custom ops by now, so each node is taken once)
+        if (!grp->bound) continue;
         if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || x->ne[2] != 1 || x->ne[3] != 1 ||
             x->ne[1] < 1 || x->ne[1] > max_batch) continue;
         struct ggml_tensor * nodes[PI_COLMAT_MAX_SEGS] = { 0 };
@@ -1006,7 +1006,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
             role->grp    = grp;
             role->member = m;
             role->runs   = !complete || nodes[m] == node;
-            role->slot   = (float *) (uintptr_t) sl;  // the slot's index until the slots exist
+            role->slot_index = sl;
             if (!swap_node(be, nodes[m])) continue;
             nodes[m]->extra = role;
             used++;
@@ -1024,8 +1024,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
         }
     }
     for (int32_t r = 0; r < used; ++r) {
-        const size_t s = (size_t) (uintptr_t) be->roles[r].slot;
-        be->roles[r].slot = total <= be->cap_slots ? be->slots + s * slot_floats : NULL;
+        be->roles[r].slot = total <= be->cap_slots ? be->slots + (size_t) be->roles[r].slot_index * slot_floats : NULL;
     }
 }
 
