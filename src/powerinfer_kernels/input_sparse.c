@@ -1283,7 +1283,7 @@ static inline __attribute__((always_inline)) void put_sums8(__m256i v, int32_t *
 
 // The 6-bit scales of rows 8P .. 8P + 7 of a group of 16 rows (12 bytes at p), as 16-bit
 // pairs: dword i holds row 8P + i's scale in both words (k_sc8's shift by a multiply).
-static inline __m256i k_sc_pairs(const uint8_t * p, const int P) {
+static inline __attribute__((always_inline)) __m256i k_sc_pairs(const uint8_t * p, const int P) {
     const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
     const __m256i at = P ? _mm256_setr_epi8(6, 7, 6, 7, 6, 7, 6, 7, 7, 8, 7, 8, 8, 9, 8, 9,
                                             9, 10, 9, 10, 9, 10, 9, 10, 10, 11, 10, 11, 11, 12, 11, 12)
@@ -1295,7 +1295,7 @@ static inline __m256i k_sc_pairs(const uint8_t * p, const int P) {
 
 // Q6_K's int8 scales of 8 rows (8 bytes at p) as 16-bit pairs: each byte to the high byte of
 // both words of its dword, then an arithmetic shift down.
-static inline __m256i sc6_pairs(const uint8_t * p) {
+static inline __attribute__((always_inline)) __m256i sc6_pairs(const uint8_t * p) {
     int64_t v;
     memcpy(&v, p, 8);
     const __m256i at = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3,
@@ -1303,50 +1303,65 @@ static inline __m256i sc6_pairs(const uint8_t * p) {
     return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long) v), at), 8);
 }
 
+// Group g's q of part P of a tile, both halves: q[2h + i] holds rows 64h + 16m + 8P .. + 7,
+// m = 2k + i (k: the low or the high bytes of each 128-bit lane, unpacklo or unpackhi), the
+// 4 columns' q of a row in its 4 bytes. One load per column and plane serves both halves.
+static inline __attribute__((always_inline)) void dec_unpack(const uint8_t * const * pg, size_t lo, size_t hi, const int BITS,
+                                                             const int P, const int k, __m256i * q) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *) (pg[0] + lo + 32 * P));
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *) (pg[1] + lo + 32 * P));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i *) (pg[2] + lo + 32 * P));
+    const __m256i u3 = _mm256_loadu_si256((const __m256i *) (pg[3] + lo + 32 * P));
+    const __m256i a = k ? _mm256_unpackhi_epi8(u0, u1) : _mm256_unpacklo_epi8(u0, u1);
+    const __m256i b = k ? _mm256_unpackhi_epi8(u2, u3) : _mm256_unpacklo_epi8(u2, u3);
+    const __m256i w0 = _mm256_unpacklo_epi16(a, b), w1 = _mm256_unpackhi_epi16(a, b);
+    q[0] = _mm256_and_si256(w0, nib);
+    q[1] = _mm256_and_si256(w1, nib);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nib);
+    q[3] = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib);
+    if (BITS == 6) {
+        // the high planes, interleaved as the low ones; pack_hi2: bits 4-5 of position
+        // 64h + 32P + i at bit 2 * (2h + P) of byte i
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *) (pg[0] + hi));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *) (pg[1] + hi));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i *) (pg[2] + hi));
+        const __m256i v3 = _mm256_loadu_si256((const __m256i *) (pg[3] + hi));
+        const __m256i c = k ? _mm256_unpackhi_epi8(v0, v1) : _mm256_unpacklo_epi8(v0, v1);
+        const __m256i d = k ? _mm256_unpackhi_epi8(v2, v3) : _mm256_unpacklo_epi8(v2, v3);
+        const __m256i h0 = _mm256_unpacklo_epi16(c, d), h1 = _mm256_unpackhi_epi16(c, d);
+        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(P ? _mm256_slli_epi16(h0, 2) : _mm256_slli_epi16(h0, 4), top2));
+        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(P ? _mm256_slli_epi16(h1, 2) : _mm256_slli_epi16(h1, 4), top2));
+        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(P ? _mm256_srli_epi16(h0, 2) : h0, top2));
+        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(P ? _mm256_srli_epi16(h1, 2) : h1, top2));
+    }
+}
+
 // Part P of both halves of a tile, for NG groups: into s[2h + i] the 16-bit sums of rows
-// 64h + 16m + 8P .. + 7, m = 2k + i (k: the low or the high bytes of each 128-bit lane, unpacklo
-// or unpackhi), from init (6 bits: minus 32 * the inputs). Four sums live, so nothing spills;
-// P and k are constants.
+// 64h + 16m + 8P .. + 7, m = 2k + i, from init (6 bits: minus 32 * the inputs). Four sums
+// live, so nothing spills; P and k are constants.
 static inline __attribute__((always_inline)) void dec_part(const uint8_t * const * p, size_t lo, size_t hi, const __m256i * x,
                                                            const int NG, const int BITS, const int P, const int k,
                                                            __m256i init, __m256i * s) {
-    const __m256i nib = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     __m256i s00 = init, s01 = init, s10 = init, s11 = init;
     for (int g = 0; g < NG; ++g) {
-        const uint8_t * const * pg = p + 4 * g;
-        const __m256i u0 = _mm256_loadu_si256((const __m256i *) (pg[0] + lo + 32 * P));
-        const __m256i u1 = _mm256_loadu_si256((const __m256i *) (pg[1] + lo + 32 * P));
-        const __m256i u2 = _mm256_loadu_si256((const __m256i *) (pg[2] + lo + 32 * P));
-        const __m256i u3 = _mm256_loadu_si256((const __m256i *) (pg[3] + lo + 32 * P));
-        const __m256i a = k ? _mm256_unpackhi_epi8(u0, u1) : _mm256_unpacklo_epi8(u0, u1);
-        const __m256i b = k ? _mm256_unpackhi_epi8(u2, u3) : _mm256_unpacklo_epi8(u2, u3);
-        const __m256i w0 = _mm256_unpacklo_epi16(a, b), w1 = _mm256_unpackhi_epi16(a, b);
-        __m256i q00 = _mm256_and_si256(w0, nib), q10 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nib);
-        __m256i q01 = _mm256_and_si256(w1, nib), q11 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib);
-        if (BITS == 6) {
-            // the high planes, interleaved as the low ones; pack_hi2: bits 4-5 of position
-            // 64h + 32P + i at bit 2 * (2h + P) of byte i
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *) (pg[0] + hi));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *) (pg[1] + hi));
-            const __m256i v2 = _mm256_loadu_si256((const __m256i *) (pg[2] + hi));
-            const __m256i v3 = _mm256_loadu_si256((const __m256i *) (pg[3] + hi));
-            const __m256i c = k ? _mm256_unpackhi_epi8(v0, v1) : _mm256_unpacklo_epi8(v0, v1);
-            const __m256i d = k ? _mm256_unpackhi_epi8(v2, v3) : _mm256_unpacklo_epi8(v2, v3);
-            const __m256i h0 = _mm256_unpacklo_epi16(c, d), h1 = _mm256_unpackhi_epi16(c, d);
-            q00 = _mm256_or_si256(q00, _mm256_and_si256(P ? _mm256_slli_epi16(h0, 2) : _mm256_slli_epi16(h0, 4), top2));
-            q01 = _mm256_or_si256(q01, _mm256_and_si256(P ? _mm256_slli_epi16(h1, 2) : _mm256_slli_epi16(h1, 4), top2));
-            q10 = _mm256_or_si256(q10, _mm256_and_si256(P ? _mm256_srli_epi16(h0, 2) : h0, top2));
-            q11 = _mm256_or_si256(q11, _mm256_and_si256(P ? _mm256_srli_epi16(h1, 2) : h1, top2));
-        }
-        s00 = _mm256_add_epi16(s00, _mm256_maddubs_epi16(q00, x[g]));
-        s01 = _mm256_add_epi16(s01, _mm256_maddubs_epi16(q01, x[g]));
-        s10 = _mm256_add_epi16(s10, _mm256_maddubs_epi16(q10, x[g]));
-        s11 = _mm256_add_epi16(s11, _mm256_maddubs_epi16(q11, x[g]));
+        __m256i q[4];
+        dec_unpack(p + 4 * g, lo, hi, BITS, P, k, q);
+        s00 = _mm256_add_epi16(s00, _mm256_maddubs_epi16(q[0], x[g]));
+        s01 = _mm256_add_epi16(s01, _mm256_maddubs_epi16(q[1], x[g]));
+        s10 = _mm256_add_epi16(s10, _mm256_maddubs_epi16(q[2], x[g]));
+        s11 = _mm256_add_epi16(s11, _mm256_maddubs_epi16(q[3], x[g]));
         // keeps the sums in registers, added group by group (gcc would otherwise compute every
         // group's products first and spill them)
         __asm__("" : "+x"(s00), "+x"(s01), "+x"(s10), "+x"(s11));
     }
     s[0] = s00; s[1] = s01; s[2] = s10; s[3] = s11;
+}
+
+// The 16-bit multipliers that widen rows rr .. rr + 7's pair sums (dec_store): ones (xblock
+// 32), or the rows' K-quant scales (see above).
+static inline __attribute__((always_inline)) __m256i dec_scales(const bool kmode, const bool six, const uint8_t * scp, int64_t rr, const int P) {
+    return !kmode ? _mm256_set1_epi16(1) : six ? sc6_pairs(scp + rr) : k_sc_pairs(scp + k6_bytes(rr & ~(int64_t) 15), P);
 }
 
 // Widens and stores dec_part's sums (see above): rows r0 + 64h + 16(2k + i) + 8P.
@@ -1357,10 +1372,7 @@ static inline __attribute__((always_inline)) void dec_store(const __m256i * s, i
         if (h && !two) break;
         for (int i = 0; i < 2; ++i) {
             const int64_t rr = r0 + HALF * h + 16 * (2 * k + i) + 8 * P;
-            const __m256i sc = !kmode ? _mm256_set1_epi16(1)
-                             : six    ? sc6_pairs(scp + rr)
-                                      : k_sc_pairs(scp + k6_bytes(rr & ~(int64_t) 15), P);
-            const __m256i v = _mm256_madd_epi16(s[2 * h + i], sc);
+            const __m256i v = _mm256_madd_epi16(s[2 * h + i], dec_scales(kmode, six, scp, rr, P));
             __m256i * d = (__m256i *) (dst + rr);
             _mm256_storeu_si256(d, zero ? v : _mm256_add_epi32(_mm256_loadu_si256(d), v));
         }
@@ -1402,6 +1414,83 @@ static inline __attribute__((always_inline)) void dec_seg(const struct pi_colmat
         dec_part(p, lo, hi, x, NG, BITS, 1, 1, init, sums);
         dec_store(sums, dst, r0, two, kmode, six, scp, 1, 1, zero);
     }
+}
+
+// dec_seg for a batch of T tokens (each with its own inputs; T <= PI_CM_DEC_BATCH): each part's
+// groups are unpacked once (dec_unpack) and kept, their rows' scale multipliers too, and every
+// token runs its vpmaddubsw sums over them, widened by one vpmaddwd into t (or acc) as for
+// one token. The unpacks, the scales and the 32-bit multiplies per token of groups_seg's batch
+// path are gone; the sums are the same integers.
+#define PI_CM_DEC_BATCH 32
+static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
+                                                                const int BITS, const int NG, const int32_t * cols,
+                                                                const int32_t * x4, int64_t T, int32_t * acc, bool first,
+                                                                const int32_t * pf, int npf, int64_t j, int32_t * tsum,
+                                                                bool t_first, int64_t ta, int64_t tz) {
+    const bool kmode = cm->xblock == QK_K, six = BITS == 6;
+    const bool zero = kmode ? first && t_first : first;
+    const int64_t n_pad = cm->n_pad;
+    int32_t * dst = (kmode ? tsum : acc) + s->pad0;
+    const uint8_t * scp = kmode ? seg_sc(s, j) : NULL;
+    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
+    for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
+    for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
+    __m256i init[PI_CM_DEC_BATCH];  // per token (6 bits): minus 32 * each pair's inputs, summed over the groups
+    for (int64_t t = 0; t < T; ++t) {
+        init[t] = _mm256_setzero_si256();
+        for (int g = 0; six && g < NG; ++g) {
+            init[t] = _mm256_sub_epi16(init[t], _mm256_maddubs_epi16(_mm256_set1_epi8(32), _mm256_set1_epi32(x4[g * T + t])));
+        }
+    }
+    for (int64_t ti = ta; ti < tz; ++ti) {
+        const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
+        pass_prefetch(s, BITS, NG, p, q, npf, cols, pf, ti, ta, tz);
+        const int64_t r0 = ti * TILE;
+        const int nr = r0 + HALF < s->n_rows ? 4 : 2;  // the row sets with rows: the second half's too?
+        for (int P = 0; P < 2; ++P) {
+            for (int k = 0; k < 2; ++k) {
+                __m256i w[PI_CM_PASS_GROUPS][4], sc[4];
+                int64_t rr[4];
+                for (int g = 0; g < NG; ++g) dec_unpack(p + 4 * g, lo, hi, BITS, P, k, w[g]);
+                for (int m = 0; m < nr; ++m) {
+                    rr[m] = r0 + HALF * (m >> 1) + 16 * (2 * k + (m & 1)) + 8 * P;
+                    sc[m] = dec_scales(kmode, six, scp, rr[m], P);
+                }
+                for (int64_t t = 0; t < T; ++t) {
+                    __m256i x[PI_CM_PASS_GROUPS];
+                    for (int g = 0; g < NG; ++g) x[g] = _mm256_set1_epi32(x4[g * T + t]);
+                    int32_t * dt = dst + t * n_pad;
+                    for (int m = 0; m < nr; ++m) {
+                        __m256i sum = init[t];
+                        for (int g = 0; g < NG; ++g) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[g][m], x[g]));
+                        const __m256i v = _mm256_madd_epi16(sum, sc[m]);
+                        __m256i * d = (__m256i *) (dt + rr[m]);
+                        _mm256_storeu_si256(d, zero ? v : _mm256_add_epi32(_mm256_loadu_si256(d), v));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// A batch's pass over segment s when dec_seg_batch takes its type (4-bit q, or Q6_K): false
+// otherwise. A function of its own, apart from groups_pass's one-token code.
+static bool seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int NG,
+                                                const int32_t * cols, const int32_t * x4, int64_t T, int32_t * acc,
+                                                bool first, const int32_t * pf, int npf, int64_t j, int32_t * tsum,
+                                                bool t_first, int64_t ta, int64_t tz) {
+    if (T > PI_CM_DEC_BATCH || !(s->bits == 4 || (s->bits == 6 && cm->xblock == QK_K))) return false;
+#define PI_CM_NG(B, N) dec_seg_batch(cm, s, B, N, cols, x4, T, acc, first, pf, npf, j, tsum, t_first, ta, tz);
+#define PI_CM_CASE(B) \
+    switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
+    if (s->bits == 4) {
+        PI_CM_CASE(4);
+    } else {
+        PI_CM_CASE(6);
+    }
+#undef PI_CM_CASE
+#undef PI_CM_NG
+    return true;
 }
 #endif
 
@@ -1896,11 +1985,12 @@ static void fold_superblock(const struct pi_colmat * cm, const struct prep_view 
 #endif
 
 #ifdef PI_CM_SIMD
-// One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]).
+// One pass over the chunk's groups g .. g + NG - 1 (x4: [group][token]); only: every segment
+// (-1), or that one.
 static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
                         int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
-                        bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
-    for (int k = 0; k < cm->n_segs; ++k) {
+                        bool t_first, const int32_t * s8, int64_t ga, int64_t gb, int only) {
+    for (int k = only < 0 ? 0 : only; k < (only < 0 ? cm->n_segs : only + 1); ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
         int64_t ta, tz;
         seg_tiles(cm, k, ga, gb, &ta, &tz);
@@ -1919,6 +2009,25 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
 #undef PI_CM_CASE
 #undef PI_CM_NG
     }
+}
+
+// groups_pass for a batch (T > 1): dec_seg_batch where it takes the segment's type. A
+// function of its own, so that groups_pass's one-token code stays as it is.
+static void groups_pass_batch(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
+                              int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
+                              bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
+#ifdef PI_CM_DEC_BATCH
+    for (int k = 0; k < cm->n_segs; ++k) {
+        const struct pi_colmat_seg * s = &cm->seg[k];
+        int64_t ta, tz;
+        seg_tiles(cm, k, ga, gb, &ta, &tz);
+        if (ta < tz && !seg_batch(cm, s, NG, cols, x4, T, acc, first, pf, npf, j, tsum, t_first, ta, tz)) {
+            groups_pass(cm, cols, x4, NG, T, acc, first, pf, npf, fold, j, tsum, t_first, s8, ga, gb, k);
+        }
+    }
+#else
+    groups_pass(cm, cols, x4, NG, T, acc, first, pf, npf, fold, j, tsum, t_first, s8, ga, gb, -1);
+#endif
 }
 
 static void piece_simd(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
@@ -1943,8 +2052,14 @@ static void piece_simd(const struct pi_colmat * cm, const struct prep_view * pre
             const bool last = g + G >= v.n_groups;
             const int32_t * pf = last ? vn.cols : v.cols + 4 * (g + G);
             const int npf = 4 * (last ? (vn.n_groups >= G ? G : vn.n_groups) : (v.n_groups - g - G >= G ? G : v.n_groups - g - G));
-            groups_pass(cm, v.cols + 4 * g, v.x4 + g * T, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
-                        !t_written, v.s8, pb.ga, pb.gb);
+            const int32_t * x4 = v.x4 + g * T;
+            if (T > 1) {
+                groups_pass_batch(cm, v.cols + 4 * g, x4, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
+                                  !t_written, v.s8, pb.ga, pb.gb);
+            } else {
+                groups_pass(cm, v.cols + 4 * g, x4, ng, T, pb.acc, g == 0, pf, npf, kmode && last, c * C, pb.t,
+                            !t_written, v.s8, pb.ga, pb.gb, -1);
+            }
         }
         if (!kmode) {
             fold_float(cm, &v, c * C, T, pb, !written);

@@ -3,6 +3,8 @@
 // sparsities, on the matrix groups of a Qwen2.5-1.5B-shaped layer (or any shape).
 //
 // usage: bench-input-sparse [N_THREADS [REPS]]
+// BENCH_T=T: T tokens a product (a batch up to sparse_max_batch: parallel slots, the
+// probes of sparsify), each with its own inputs; times stay per token.
 #include "input_sparse.h"
 
 #include "ggml-cpu.h"
@@ -68,7 +70,12 @@ int main(int argc, char ** argv) {
         { "output (q6_K)", 1536, 1, { GGML_TYPE_Q6_K }, { 151936 } },  // the LM head: long columns, row pieces only
     };
     const float sparsities[] = { 0.0f, 0.25f, 0.40f, 0.50f };
-    printf("threads %d; %d copies of each group cycled (2 of a group over 64M weights); per token (T = 1)\n", nth, n_copies_max);
+    const int T = getenv("BENCH_T") ? atoi(getenv("BENCH_T")) : 1;
+    if (T < 1 || T > 64) {
+        fprintf(stderr, "BENCH_T must be in [1, 64]\n");
+        return 1;
+    }
+    printf("threads %d; %d copies of each group cycled (2 of a group over 64M weights); per token (T = %d)\n", nth, n_copies_max, T);
     printf("| group | MiB | ggml dense ms | GB/s | sparsity | ours ms | GB/s of bytes read | vs dense |\n|---|---|---|---|---|---|---|---|\n");
     unsigned seed = 1;
     const char * only = getenv("BENCH_GROUP");  // one group's index, for profiling
@@ -99,14 +106,14 @@ int main(int argc, char ** argv) {
             pi_colmat_fill(&cm[c], w[c], 0, 1);
         }
         // the dense reference: ggml's matmul of each segment
-        struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, g->n_in, 1);
+        struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, g->n_in, T);
         float * xs = (float *) x->data;
-        for (int i = 0; i < g->n_in; ++i) {
+        for (int i = 0; i < g->n_in * T; ++i) {
             const float u = frand(&seed);
             xs[i] = u * u * u * 4.0f;  // heavy-tailed, as activations are
         }
         if (getenv("BENCH_CLUSTER")) {  // experiment: each 32-column chunk's entries sorted, so its kept columns are contiguous
-            for (int c0 = 0; c0 < g->n_in; c0 += 32) qsort(xs + c0, 32, sizeof(float), cmp_float);
+            for (int c0 = 0; c0 < g->n_in * T; c0 += 32) qsort(xs + c0, 32, sizeof(float), cmp_float);
         }
         float * sorted = malloc(sizeof(float) * (size_t) g->n_in);
         for (int i = 0; i < g->n_in; ++i) sorted[i] = fabsf(xs[i]);
@@ -137,7 +144,7 @@ int main(int argc, char ** argv) {
                 compute(gfs[i], nth);
                 const double t0 = now_ms();
                 for (int r = 0; r < per_round; ++r) compute(gfs[i], nth);
-                const double t = (now_ms() - t0) / (per_round * n_copies);
+                const double t = (now_ms() - t0) / (per_round * n_copies) / T;
                 best[i] = t < best[i] ? t : best[i];
             }
         }
