@@ -501,6 +501,21 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
             }
             amax = _mm512_reduce_max_ps(mx);
             bad = nonfinite != 0;
+#elif defined(PI_CM_AVX2)
+            // the same max (exact in any order) and the same test, 8 a step: a kept NaN or
+            // infinity makes the block's step NaN whatever amax holds
+            __m256 mx = _mm256_setzero_ps();
+            int nonfinite = 0;
+            for (int64_t j = 0; j < X; j += 8) {
+                const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xt + j));
+                const __m256 keep = _mm256_cmp_ps(a, _mm256_set1_ps(tau), _CMP_NLE_UQ);  // !(a <= tau): NaN kept
+                mx = _mm256_max_ps(mx, _mm256_and_ps(keep, a));
+                nonfinite |= _mm256_movemask_ps(_mm256_and_ps(keep, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            bad = nonfinite != 0;
 #else
             for (int64_t j = 0; j < X; ++j) {
                 const float a = fabsf(xt[j]);
@@ -529,6 +544,11 @@ static int64_t prepare_blocks(const struct pi_colmat * cm, float tau, const stru
 #ifdef PI_CM_VNNI
                 for (int64_t l = 0; l < C; l += 16) {
                     k |= (uint32_t) _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xt + l)), _mm512_set1_ps(tau), _CMP_NLE_UQ) << l;
+                }
+#elif defined(PI_CM_AVX2)
+                for (int64_t l = 0; l < C; l += 8) {
+                    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xt + l));
+                    k |= (uint32_t) _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(tau), _CMP_NLE_UQ)) << l;
                 }
 #else
                 for (int64_t l = 0; l < C; ++l) k |= (uint32_t) !(fabsf(xt[l]) <= tau) << l;
