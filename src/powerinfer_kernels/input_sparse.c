@@ -1436,12 +1436,12 @@ static inline __attribute__((always_inline)) void dec_seg(const struct pi_colmat
     }
 }
 
-// dec_seg for a batch of T tokens (each with its own inputs; T <= PI_CM_DEC_BATCH): each part's
+// dec_seg for a batch of T tokens (each with its own inputs): each part's
 // groups are unpacked once (dec_unpack) and kept, their rows' scale multipliers too, and every
 // token runs its vpmaddubsw sums over them, widened by one vpmaddwd into t (or acc) as for
 // one token. The unpacks, the scales and the 32-bit multiplies per token of groups_seg's batch
 // path are gone; the sums are the same integers.
-#define PI_CM_DEC_BATCH 32
+#define PI_CM_HAS_DEC_BATCH 1
 static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
                                                                 const int BITS, const int NG, const int32_t * cols,
                                                                 const int32_t * x4, int64_t T, int32_t * acc, bool first,
@@ -1455,7 +1455,7 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
     const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
     for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
     for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
-    __m256i init[PI_CM_DEC_BATCH];  // per token (6 bits): minus 32 * each pair's inputs, summed over the groups
+    __m256i init[PI_COLMAT_MAX_TOKENS];  // per token (6 bits): minus 32 * each pair's inputs, summed over the groups
     for (int64_t t = 0; t < T; ++t) {
         init[t] = _mm256_setzero_si256();
         for (int g = 0; six && g < NG; ++g) {
@@ -1466,7 +1466,7 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
         const size_t lo = (size_t) ti * s->lo, hi = (size_t) s->n_tiles * s->lo + (size_t) ti * s->hi;
         pass_prefetch(s, BITS, NG, p, q, npf, cols, pf, ti, ta, tz);
         const int64_t r0 = ti * TILE;
-        const int nr = r0 + HALF < s->n_rows ? 4 : 2;  // the row sets with rows: the second half's too?
+        const int nr = r0 + HALF < s->n_rows ? 4 : 2;  // row sets with rows: both halves', or the first's
         for (int P = 0; P < 2; ++P) {
             for (int k = 0; k < 2; ++k) {
                 __m256i w[PI_CM_PASS_GROUPS][4], sc[4];
@@ -1495,11 +1495,10 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
 
 // A batch's pass over segment s when dec_seg_batch takes its type (4-bit q, or Q6_K): false
 // otherwise. A function of its own, apart from groups_pass's one-token code.
-static bool seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int NG,
-                                                const int32_t * cols, const int32_t * x4, int64_t T, int32_t * acc,
-                                                bool first, const int32_t * pf, int npf, int64_t j, int32_t * tsum,
-                                                bool t_first, int64_t ta, int64_t tz) {
-    if (T > PI_CM_DEC_BATCH || !(s->bits == 4 || (s->bits == 6 && cm->xblock == QK_K))) return false;
+static bool seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * s, int NG, const int32_t * cols,
+                      const int32_t * x4, int64_t T, int32_t * acc, bool first, const int32_t * pf, int npf, int64_t j,
+                      int32_t * tsum, bool t_first, int64_t ta, int64_t tz) {
+    if (!(s->bits == 4 || (s->bits == 6 && cm->xblock == QK_K))) return false;
 #define PI_CM_NG(B, N) dec_seg_batch(cm, s, B, N, cols, x4, T, acc, first, pf, npf, j, tsum, t_first, ta, tz);
 #define PI_CM_CASE(B) \
     switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
@@ -2036,7 +2035,7 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
 static void groups_pass_batch(const struct pi_colmat * cm, const int32_t * cols, const int32_t * x4, int NG, int64_t T,
                               int32_t * acc, bool first, const int32_t * pf, int npf, bool fold, int64_t j, int32_t * tsum,
                               bool t_first, const int32_t * s8, int64_t ga, int64_t gb) {
-#ifdef PI_CM_DEC_BATCH
+#ifdef PI_CM_HAS_DEC_BATCH
     for (int k = 0; k < cm->n_segs; ++k) {
         const struct pi_colmat_seg * s = &cm->seg[k];
         int64_t ta, tz;
