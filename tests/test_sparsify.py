@@ -153,6 +153,53 @@ def test_threshold_zero_follows_the_dense_path(qwen_path):
     assert (dense.argmax(axis=1) == sparse.argmax(axis=1))[decided].mean() >= 0.95
 
 
+def _batch_logits(model, tokens, pieces, logits_all=True):
+    """The logits of tokens decoded in consecutive batches of the given sizes: every row, or
+    the last row of each batch."""
+    with Context(model, n_ctx=len(tokens) + 8, n_threads=2, n_threads_batch=2) as c:
+        out, pos = [], 0
+        for k in pieces:
+            c.decode(tokens[pos : pos + k], pos, logits_all=logits_all)
+            rows = c.logits(0, k) if logits_all else c.logits(-1)
+            out.append(np.asarray(rows, dtype=np.float64).reshape(-1, model.n_vocab()))
+            pos += k
+    return np.concatenate(out)
+
+
+def test_prompt_batches_follow_the_rule(qwen_path):
+    """Input mode's rule holds however a prompt is cut into batches. A batch above
+    sparse_max_batch (8) runs ggml's dense matmuls, but on inputs with the entries the rule
+    drops zeroed, so its tokens get what the sparse product gives them up to rounding. Before,
+    such a batch ran fully dense, so a token's result depended on how the prompt was cut: a
+    prompt cache or a slot adopting another's prefix gave the same text other logits.
+    Measured here (threshold 0.05, 40 tokens): one batch against batches of 8, KL 0.005; the
+    dense path against batches of 8, KL 0.058 (the old one-batch figure was 0.063). The bar,
+    a quarter of the dense distance, leaves room for rounding (amplified where an entry near
+    the threshold flips) and fails the old behaviour. A sequence's first token keeps every
+    entry (its row equals the dense path's up to the head's exact top rows, computed by
+    another kernel), and a batch that keeps only its last row gives that row's logits."""
+    with Model(qwen_path, vocab_only=True) as m:
+        toks = m.tokenize(TEXT.encode(), True, False)[:40]
+    n = len(toks)
+    pieces8 = [1] + [8] * ((n - 1) // 8) + ([(n - 1) % 8] if (n - 1) % 8 else [])
+    with Model(qwen_path, sparse_mode="input", sparse_threshold=0.05) as ms, Model(qwen_path, sparse_mode="dense") as md:
+        small = _batch_logits(ms, toks, pieces8)  # every step sparse (the first token alone, dense)
+        whole = _batch_logits(ms, toks, [n])
+        cut = _batch_logits(ms, toks, [13, n - 13])
+        last = _batch_logits(ms, toks, [n], logits_all=False)
+        dense = _batch_logits(md, toks, [n])
+
+    def kl(p, q):
+        p, q = _log_softmax(p)[1:], _log_softmax(q)[1:]
+        return float((np.exp(p) * (p - q)).sum(axis=1).mean())
+
+    assert kl(dense, small) > 0.02  # the threshold drops enough to matter
+    assert kl(whole, small) < 0.25 * kl(dense, small), (kl(whole, small), kl(dense, small))
+    assert kl(cut, small) < 0.25 * kl(dense, small), (kl(cut, small), kl(dense, small))
+    assert np.allclose(whole[0], dense[0], rtol=0, atol=1e-3)
+    assert np.array_equal(last[0], whole[-1])
+
+
 def test_kl_grows_with_sparsity(smollm2_path):
     with Model(smollm2_path, vocab_only=True) as m:
         toks = m.tokenize(TEXT.encode(), True, False)[:40]

@@ -754,6 +754,13 @@ static int32_t compute_chunk(struct powerinfer_context * ctx, const struct pi_ub
     if (in.out_ids) {
         ggml_backend_tensor_set(in.out_ids, ub->out_idx, 0, (size_t) n_outputs * sizeof(int32_t));
     }
+    if (in.first_tok) {
+        float * first = (float *) ctx->scratch;  // holds n_tokens int64 at least
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            first[i] = ub->pos[i] == 0 ? 1.0f : 0.0f;
+        }
+        ggml_backend_tensor_set(in.first_tok, first, 0, (size_t) n_tokens * sizeof(float));
+    }
     if ((rc = in.kv_cells ? set_cells(ctx, in.kv_cells, ub, gp.n_kv) : set_mask(ctx, in.kq_mask, ub, gp.n_kv)) != POWERINFER_OK) {
         return rc;
     }

@@ -10,6 +10,7 @@
 #include "ggml-cpu.h"
 
 #include <math.h>
+#include <string.h>
 
 // RMSNorm followed by the learned scale.
 static struct ggml_tensor * build_norm(struct ggml_context * ctx, struct ggml_tensor * x,
@@ -65,6 +66,74 @@ static struct ggml_tensor * up_term(struct ggml_context * ctx, enum pi_ffn_act a
 static bool input_step(const struct powerinfer_model * model, const struct pi_graph_params * gp) {
     return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && gp->n_tokens <= gp->sparse_max_batch &&
            gp->n_tokens <= PI_COLMAT_MAX_TOKENS && !gp->capture && !gp->first_token && gp->input_ops && !gp->inputs[0].hist;
+}
+
+// A step input mode does not take (a batch above sparse_max_batch, or one holding a
+// sequence's first token) still applies its rule to every input that has a column copy:
+// the entries with |x| <= tau are zeroed before ggml's dense matmul, so each token's
+// result is the one the sparse product gives it up to rounding, however the prompt was cut
+// into batches (a prompt cache, a slot adopting another's prefix, n_batch). Tokens at a
+// sequence's position 0 keep every entry (see build_ffn). Not while profiling or
+// calibrating (those want every value); not for a lone first token (nothing to zero).
+static bool input_mask_step(const struct powerinfer_model * model, const struct pi_graph_params * gp) {
+    return model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && !input_step(model, gp) && !gp->capture && gp->input_ops &&
+           !gp->inputs[0].hist && !(gp->first_token && gp->n_tokens == 1);
+}
+
+// y = x with the entries |x| <= tau zeroed (NaN kept, as the sparse product keeps it), token
+// t left whole where keep[t] != 0. Threads share each token's entries.
+static void input_mask_rows(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * keep, int ith,
+                            int nth, const struct pi_active_stat * stat) {
+    const float tau = stat->threshold;
+    const int64_t n = x->ne[0], j0 = n * ith / nth, j1 = n * (ith + 1) / nth;
+    for (int64_t t = 0; t < x->ne[1]; ++t) {
+        const float * restrict src = (const float *) ((const char *) x->data + t * x->nb[1]);
+        float * restrict y = (float *) ((char *) dst->data + t * dst->nb[1]);
+        if (keep && ((const float *) keep->data)[t] != 0.0f) {
+            memcpy(y + j0, src + j0, (size_t) (j1 - j0) * sizeof(float));
+            continue;
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+            y[j] = fabsf(src[j]) <= tau ? 0.0f : src[j];
+        }
+    }
+}
+
+static void input_mask_op1(struct ggml_tensor * dst, const struct ggml_tensor * x, int ith, int nth, void * ud) {
+    input_mask_rows(dst, x, NULL, ith, nth, ud);
+}
+
+static void input_mask_op2(struct ggml_tensor * dst, const struct ggml_tensor * x, const struct ggml_tensor * keep, int ith,
+                           int nth, void * ud) {
+    input_mask_rows(dst, x, keep, ith, nth, ud);
+}
+
+// The input of input i of layer il's dense product: x, or x under input mode's rule
+// (input_mask_step).
+static struct ggml_tensor * input_masked(struct ggml_context * ctx, const struct powerinfer_model * model,
+                                         const struct pi_graph_params * gp, struct pi_graph_inputs * in, int il, int i,
+                                         struct ggml_tensor * x) {
+    struct pi_input_op * op = &gp->input_ops[il * POWERINFER_INPUT_COUNT + i];
+    if (!input_mask_step(model, gp) || op->cm->n_segs == 0 || x->type != GGML_TYPE_F32) {
+        return x;
+    }
+    if (!ggml_is_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1) {
+        x = ggml_cont_2d(ctx, x, x->ne[0], ggml_nelements(x) / x->ne[0]);
+    }
+    struct ggml_tensor * keep = NULL;  // [1, T]: 1 at a sequence's first token
+    if (gp->first_token) {
+        if (!in->first_tok) {  // an input only when some product uses it (else it would stay unallocated)
+            in->first_tok = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, gp->n_tokens);
+            ggml_set_name(in->first_tok, "inp_first_tok");
+            ggml_set_input(in->first_tok);
+        }
+        if (x->ne[1] != gp->n_tokens && !in->first_out) {  // the last layer keeps only the output rows
+            in->first_out = ggml_get_rows(ctx, in->first_tok, in->out_ids);
+        }
+        keep = x->ne[1] == gp->n_tokens ? in->first_tok : in->first_out;
+    }
+    return keep ? ggml_map_custom2(ctx, x, keep, input_mask_op2, GGML_N_TASKS_MAX, op->stat)
+                : ggml_map_custom1(ctx, x, input_mask_op1, GGML_N_TASKS_MAX, op->stat);
 }
 
 // The input-sparse product of input i of layer il when this step takes it and the input
@@ -205,6 +274,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         return build_sparse_rows(ctx, l, act, x, NULL, pi_active_index(ctx, logit, PI_ACTIVE_AT_LEAST, stat));
     }
     input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_FFN, x);
+    x = input_masked(ctx, model, gp, in, il, POWERINFER_INPUT_FFN, x);
     // Every neuron: through the batch copies where the sparse path keeps the file's rows.
     const bool down_mm = gp->down_matmul && gp->down_matmul[il];
     struct ggml_tensor * up   = l->ffn_up_b ? ggml_mul_mat(ctx, l->ffn_up_b, x) : packed_or_mul(ctx, model, l->ffn_up, l->ffn_up_p, x);
@@ -229,7 +299,7 @@ static struct ggml_tensor * build_ffn(struct ggml_context * ctx, struct ggml_cgr
         h = build_glu(ctx, act, gate, up);
     }
     input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_DOWN, h);
-    return build_down(ctx, gf, model, l, act, h, stat, down_mm);
+    return build_down(ctx, gf, model, l, act, input_masked(ctx, model, gp, in, il, POWERINFER_INPUT_DOWN, h), stat, down_mm);
 }
 
 // Input mode's FFN: gate and up (one product, their rows stacked) and down, each reading
@@ -366,11 +436,12 @@ static struct ggml_tensor * build_attn(struct ggml_context * ctx, struct ggml_cg
 
 // The attention's output projection: input-sparse in input mode, else dense.
 static struct ggml_tensor * build_wo(struct ggml_context * ctx, struct ggml_cgraph * gf, const struct powerinfer_model * model,
-                                     const struct pi_graph_params * gp, int il, struct ggml_tensor * attn) {
+                                     const struct pi_graph_params * gp, struct pi_graph_inputs * in, int il,
+                                     struct ggml_tensor * attn) {
     const struct pi_layer * l = &model->layers[il];
     input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_O, attn);
     struct ggml_tensor * o = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_O, attn);
-    return o ? o : packed_or_mul(ctx, model, l->wo, l->wo_p, attn);
+    return o ? o : packed_or_mul(ctx, model, l->wo, l->wo_p, input_masked(ctx, model, gp, in, il, POWERINFER_INPUT_O, attn));
 }
 
 struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powerinfer_model * model,
@@ -407,6 +478,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         ggml_set_name(in->v_idxs, "inp_v_idxs");
         ggml_set_input(in->v_idxs);
     }
+    in->first_tok = in->first_out = NULL;  // made by the first input_masked that needs them
     in->out_ids = NULL;
     if (gp->n_outputs < n_tokens) {
         in->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, gp->n_outputs);
@@ -430,7 +502,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
         input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_QKV, cur);
         struct ggml_tensor * qkv = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_QKV, cur);
-        qkv = qkv ? qkv : packed_or_mul(ctx, model, l->wqkv, l->wqkv_p, cur);
+        qkv = qkv ? qkv : packed_or_mul(ctx, model, l->wqkv, l->wqkv_p, input_masked(ctx, model, gp, in, il, POWERINFER_INPUT_QKV, cur));
         const size_t es = ggml_element_size(qkv);
         struct ggml_tensor * q = ggml_view_3d(ctx, qkv, head, hp->n_head, n_tokens, es * head, qkv->nb[1], 0);
         struct ggml_tensor * k = ggml_view_3d(ctx, qkv, head, hp->n_head_kv, n_tokens, es * head, qkv->nb[1], es * n_q);
@@ -439,7 +511,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         q = build_rope(ctx, q, hp, in);
         k = build_rope(ctx, k, hp, in);
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = build_wo(ctx, gf, model, gp, il, cur);
+        cur = build_wo(ctx, gf, model, gp, in, il, cur);
         if (il == hp->n_layer - 1 && select_early) {
             cur       = ggml_get_rows(ctx, cur, in->out_ids);
             inpL      = ggml_get_rows(ctx, inpL, in->out_ids);
@@ -459,9 +531,10 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         input_histogram(ctx, gf, gp, il, POWERINFER_INPUT_QKV, cur);
         struct ggml_tensor * qkv = input_sparse(ctx, model, gp, il, POWERINFER_INPUT_QKV, cur);
         const int64_t n_q = head * hp->n_head, n_kv = head * hp->n_head_kv;
-        struct ggml_tensor * q = qkv ? rows_of(ctx, qkv, 0, n_q) : packed_or_mul(ctx, model, l->wq, l->wq_p, cur);
-        struct ggml_tensor * k = qkv ? rows_of(ctx, qkv, n_q, n_kv) : packed_or_mul(ctx, model, l->wk, l->wk_p, cur);
-        struct ggml_tensor * v = qkv ? rows_of(ctx, qkv, n_q + n_kv, n_kv) : packed_or_mul(ctx, model, l->wv, l->wv_p, cur);
+        struct ggml_tensor * xm = qkv ? NULL : input_masked(ctx, model, gp, in, il, POWERINFER_INPUT_QKV, cur);
+        struct ggml_tensor * q = qkv ? rows_of(ctx, qkv, 0, n_q) : packed_or_mul(ctx, model, l->wq, l->wq_p, xm);
+        struct ggml_tensor * k = qkv ? rows_of(ctx, qkv, n_q, n_kv) : packed_or_mul(ctx, model, l->wk, l->wk_p, xm);
+        struct ggml_tensor * v = qkv ? rows_of(ctx, qkv, n_q + n_kv, n_kv) : packed_or_mul(ctx, model, l->wv, l->wv_p, xm);
         if (l->bq) q = ggml_add(ctx, q, l->bq);
         if (l->bk) k = ggml_add(ctx, k, l->bk);
         if (l->bv) v = ggml_add(ctx, v, l->bv);
@@ -473,7 +546,7 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
         k = build_rope(ctx, k, hp, in);
 
         cur = build_attn(ctx, gf, hp, kv, il, gp, in, q, k, v);
-        cur = build_wo(ctx, gf, model, gp, il, cur);
+        cur = build_wo(ctx, gf, model, gp, in, il, cur);
 
         if (il == hp->n_layer - 1 && select_early) {
             // Only the output rows need the last FFN and the LM head.
@@ -502,6 +575,11 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);
     in->logits = input_sparse(ctx, model, gp, hp->n_layer, 0, cur);  // [n_vocab, n_outputs]
+    struct ggml_tensor * head_x = in->logits ? cur : input_masked(ctx, model, gp, in, hp->n_layer, 0, cur);
+    if (!in->logits && head_x != cur) {
+        // input mode's rule on a dense step: its exact top rows too, as the sparse step has them
+        in->logits = packed_or_mul(ctx, model, model->output, model->output_p, head_x);
+    }
     if (in->logits && ggml_backend_buffer_is_host(model->output->buffer)) {
         // the likeliest tokens' logits from every column (docs/input-sparsity.md, "Exact top rows")
         in->logits = pi_head_exact_top(ctx, in->logits, model->output, cur, POWERINFER_HEAD_EXACT_ROWS);

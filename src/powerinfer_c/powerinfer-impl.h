@@ -430,6 +430,9 @@ struct pi_graph_inputs {
     struct ggml_tensor * kv_cells; // I32 [1 + n_kv, n_tokens], invariant attention only: each token's count of
                                    // visible cells, then those cells in position order
     struct ggml_tensor * out_ids;  // I32 [n_outputs], NULL when every row is an output
+    struct ggml_tensor * first_tok; // F32 [1, n_tokens]: 1 at a sequence's position 0, when input mode's rule
+                                    // applies to a dense step holding one (graph.c, input_mask_step), else NULL
+    struct ggml_tensor * first_out; // its output rows (the last layer's), made when needed
     struct ggml_tensor * k_idxs;   // I64 [n_tokens]: cache cell of each token
     struct ggml_tensor * v_idxs;   // I64 [n_embd_kv * n_tokens] (transposed V: one index per element), else NULL
     struct ggml_tensor * logits;   // F32 [n_vocab, n_outputs]
