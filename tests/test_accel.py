@@ -103,6 +103,34 @@ def test_calibrated_file_and_its_products_match_numpy(smollm2_path, sparse40):
     assert np.median(margins) > 3, np.median(margins)
 
 
+def test_batches_above_the_max_keep_the_rule(smollm2_path, sparse40):
+    """A batch above the module's max (32 tokens: a prompt) runs ggml's dense matmul, but on
+    the input with the entries the rule drops zeroed (accel.c, masked_compute), so each token
+    gets the sparse product's result up to the same 8-bit rounding: a prompt, a prompt cache
+    and a reused prefix give a token the same rule. Before, such a batch ran fully dense (a
+    median margin near 1 below, where the kept product is 3 and more)."""
+    path, _ = sparse40
+    thr, types = _thresholds(path)
+    sparse = {n for n, t in thr.items() if t >= 0}
+    with accel.armed(path):
+        nodes = ggml_capture.capture(path, [list(range(300, 340))], lambda name: name in sparse)
+    big = [nd for nd in nodes if nd.x.reshape(-1, nd.x.shape[-1]).shape[0] == 40]
+    assert len(big) >= len(sparse) - 10  # every sparse weight but the last layer's (its output row alone)
+    deq = ggml_capture.dequantized(smollm2_path)
+    margins = []
+    for nd in big:
+        w = deq(nd.weight).astype(np.float64)
+        x = nd.x.reshape(-1, nd.x.shape[-1]).astype(np.float64)
+        y = nd.y.reshape(-1, nd.y.shape[-1]).astype(np.float64)
+        tau = float(thr[nd.weight])
+        ref = ggml_capture.kept_product(w, x, tau)
+        bound = _bound(w, x, tau, 256 if types[nd.weight] in K_QUANTS else 32)
+        err = np.abs(y - ref)
+        assert (err <= bound + 1e-5 * np.abs(ref) + 1e-6).all(), (nd.weight, float((err - bound).max()))
+        margins.append(np.linalg.norm(ref - x @ w.T) / max(np.linalg.norm(y - ref), 1e-12))
+    assert np.median(margins) > 3, np.median(margins)
+
+
 def test_threshold_zero_matches_llama_cpp(smollm2_path, ref_llama, tmp_path):
     """Every matmul through the module with nothing dropped: llama-cpp-python's greedy
     tokens, and logits within the difference of two 8-bit input quantizations."""

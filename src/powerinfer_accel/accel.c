@@ -665,9 +665,15 @@ struct accel_backend {
     float *               slots;      // the groups' joint results: ACCEL_MAX_SLOTS of slot_floats
     size_t                slot_floats, cap_slots;
     int32_t               sync[2];    // the MoE loop's barrier
-    struct ggml_context * part_ctx;   // calibration: a graph of one run of the split's nodes
+    struct ggml_context * part_ctx;   // calibration, masked inputs: a graph of one run of the split's nodes
     struct ggml_cgraph *  part;
     int                   part_size;
+    float *               masked;     // a dense product's input under the rule (masked_compute)
+    size_t                cap_masked; // floats
+    struct ggml_tensor    masked_t;   // the tensor that points there
+    struct ggml_tensor ** src_of;     // [cap_src]: nodes whose src[1] masked_compute moved,
+    struct ggml_tensor ** src_was;    // and their own
+    int32_t               n_src, cap_src;
 };
 
 static void spin_barrier(int32_t * sync, int nth) {
@@ -1048,9 +1054,8 @@ static bool calibrating(const struct ggml_tensor * node) {
            node->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(node->src[1]);
 }
 
-// Calibration: the split in runs that end before each calibrated matmul, whose input is then
-// complete and counted; ggml computes every node (the dense model, exactly).
-static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml_cgraph * g) {
+// Computes nodes [start, end) of g (the part graph sized for g's nodes first).
+static enum ggml_status compute_part(struct accel_backend * be, struct ggml_cgraph * g, int start, int end) {
     const int n = ggml_graph_n_nodes(g);
     if (!be->part || be->part_size < n) {
         ggml_free(be->part_ctx);
@@ -1060,15 +1065,21 @@ static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml
         be->part_size = be->part ? n : 0;
         if (!be->part) return GGML_STATUS_ALLOC_FAILED;
     }
+    if (end <= start) return GGML_STATUS_SUCCESS;
+    ggml_graph_clear(be->part);
+    for (int k = start; k < end; ++k) ggml_graph_add_node(be->part, ggml_graph_node(g, k));
+    return ggml_backend_graph_compute(be->cpu, be->part);
+}
+
+// Calibration: the split in runs that end before each calibrated matmul, whose input is then
+// complete and counted; ggml computes every node (the dense model, exactly).
+static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml_cgraph * g) {
+    const int n = ggml_graph_n_nodes(g);
     for (int start = 0, i = 0; i <= n; ++i) {
         struct ggml_tensor * node = i < n ? ggml_graph_node(g, i) : NULL;
         if (node && !calibrating(node)) continue;
-        if (i > start) {
-            ggml_graph_clear(be->part);
-            for (int k = start; k < i; ++k) ggml_graph_add_node(be->part, ggml_graph_node(g, k));
-            const enum ggml_status st = ggml_backend_graph_compute(be->cpu, be->part);
-            if (st != GGML_STATUS_SUCCESS) return st;
-        }
+        const enum ggml_status st = compute_part(be, g, start, i);
+        if (st != GGML_STATUS_SUCCESS) return st;
         if (node) {
             struct ggml_tensor flat = *node->src[1];  // every token's input, as [n_in, rows]
             flat.ne[1] = flat.ne[1] * flat.ne[2] * flat.ne[3];
@@ -1078,6 +1089,100 @@ static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml
         start = i;
     }
     return GGML_STATUS_SUCCESS;
+}
+
+// The threshold of a matmul that ggml computes densely on a sparse weight (a batch above the
+// max, or a shape the product does not take), NAN for any other node.
+static float dense_rule(const struct ggml_tensor * node) {
+    if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return NAN;
+    const struct ggml_tensor * wt = node->src[0];
+    if (!in_our_buffer(wt) || wt->view_src || !wt->extra) return NAN;
+    const struct accel_weight * w = wt->extra;
+    if (!w->sparse || node->src[1]->type != GGML_TYPE_F32) return NAN;
+    return w->grp ? w->grp->stat.threshold : w->stat.threshold;
+}
+
+// x with the entries |x| <= tau zeroed (NaN kept, as the product keeps it), contiguous, in y.
+static void mask_input(const struct ggml_tensor * x, float tau, float * y) {
+    for (int64_t i3 = 0; i3 < x->ne[3]; ++i3) {
+        for (int64_t i2 = 0; i2 < x->ne[2]; ++i2) {
+            for (int64_t i1 = 0; i1 < x->ne[1]; ++i1, y += x->ne[0]) {
+                const char * row = (const char *) x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3];
+                for (int64_t i0 = 0; i0 < x->ne[0]; ++i0) {
+                    const float v = *(const float *) (row + i0 * x->nb[0]);
+                    y[i0] = fabsf(v) <= tau ? 0.0f : v;
+                }
+            }
+        }
+    }
+}
+
+// The split with input mode's rule on the products ggml computes densely (as the core's
+// graph does, graph.c: input_mask_step): the split runs up to such a matmul, its input is
+// copied under the rule, and the matmul (and the next ones reading the same input under the
+// same threshold) read the copy. A token's result is then the sparse product's up to rounding
+// whatever the batch: a prompt above the max batch, a prompt cache or a slot's reused prefix
+// give the same tokens the same rule. This thread makes the copy (one pass over the input,
+// small beside the matmul that follows).
+static enum ggml_status masked_compute(struct accel_backend * be, struct ggml_cgraph * g) {
+    const int n = ggml_graph_n_nodes(g);
+    const struct ggml_tensor * cur_x = NULL;  // the input the copy holds, and its threshold
+    float cur_tau = NAN;
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    int start = 0;
+    be->n_src = 0;
+    for (int i = 0; i < n && st == GGML_STATUS_SUCCESS; ++i) {
+        struct ggml_tensor * node = ggml_graph_node(g, i);
+        const float tau = dense_rule(node);
+        if (isnan(tau)) continue;
+        struct ggml_tensor * x = node->src[1];
+        if (be->n_src == be->cap_src) {
+            const int32_t c = be->cap_src ? 2 * be->cap_src : 256;
+            struct ggml_tensor ** a = realloc(be->src_of, (size_t) c * sizeof(*a));
+            if (a) be->src_of = a;
+            struct ggml_tensor ** b = a ? realloc(be->src_was, (size_t) c * sizeof(*b)) : NULL;
+            if (b) be->src_was = b;
+            if (!a || !b) {
+                st = GGML_STATUS_ALLOC_FAILED;
+                break;
+            }
+            be->cap_src = c;
+        }
+        if (x != cur_x || tau != cur_tau) {
+            if ((st = compute_part(be, g, start, i)) != GGML_STATUS_SUCCESS) break;  // x is complete now
+            start = i;
+            const size_t ne = (size_t) ggml_nelements(x);
+            if (ne > be->cap_masked) {
+                void * m = NULL;
+                if (posix_memalign(&m, ACCEL_ALIGN, ne * sizeof(float)) != 0) {
+                    st = GGML_STATUS_ALLOC_FAILED;
+                    break;
+                }
+                free(be->masked);
+                be->masked     = m;
+                be->cap_masked = ne;
+            }
+            mask_input(x, tau, be->masked);
+            struct ggml_tensor * t = &be->masked_t;
+            *t = *x;  // its shape and name; contiguous, in our memory, computed
+            t->op = GGML_OP_NONE;
+            memset(t->src, 0, sizeof(t->src));
+            t->view_src  = NULL;
+            t->view_offs = 0;
+            t->data      = be->masked;
+            t->nb[0]     = sizeof(float);
+            for (int d = 1; d < GGML_MAX_DIMS; ++d) t->nb[d] = t->nb[d - 1] * (size_t) t->ne[d - 1];
+            cur_x   = x;
+            cur_tau = tau;
+        }
+        be->src_of[be->n_src]    = node;
+        be->src_was[be->n_src++] = x;
+        node->src[1] = &be->masked_t;
+    }
+    if (st == GGML_STATUS_SUCCESS) st = compute_part(be, g, start, n);
+    for (int32_t k = 0; k < be->n_src; ++k) be->src_of[k]->src[1] = be->src_was[k];
+    be->n_src = 0;
+    return st;
 }
 
 static enum ggml_status accel_graph_compute(ggml_backend_t backend, struct ggml_cgraph * g) {
@@ -1098,7 +1203,9 @@ static enum ggml_status accel_graph_compute(ggml_backend_t backend, struct ggml_
         const struct accel_weight * w = node->src[0]->extra;
         if (w && w->grp && !((const struct accel_role *) node->extra)->slot) st = GGML_STATUS_ALLOC_FAILED;
     }
-    if (st == GGML_STATUS_SUCCESS) st = ggml_backend_graph_compute(be->cpu, g);
+    bool rule = false;  // a matmul ggml computes densely on a sparse weight
+    for (int i = 0; i < n && !rule; ++i) rule = !isnan(dense_rule(ggml_graph_node(g, i)));
+    if (st == GGML_STATUS_SUCCESS) st = rule ? masked_compute(be, g) : ggml_backend_graph_compute(be->cpu, g);
     for (int32_t i = 0; i < be->n_swapped; ++i) {
         struct accel_swap * sw = &be->swapped[i];
         sw->node->op    = sw->op;
@@ -1122,6 +1229,9 @@ static void accel_backend_free(ggml_backend_t backend) {
     free(be->slots);
     ggml_free(be->tmpl_ctx);
     ggml_free(be->part_ctx);
+    free(be->masked);
+    free(be->src_of);
+    free(be->src_was);
     free(be);
     free(backend);
 }
