@@ -307,8 +307,8 @@ int32_t powerinfer_accel_set_max_batch(int32_t n) {
 
 // ---------------------------------------------------------------- the weights
 
-// A weight in one of our buffers (tensor->extra). Sparse weights carry their column copies:
-// one per matrix (an expert stack has one per expert), after the weight's data.
+// A weight in one of our buffers (weight_of). Sparse weights carry their column copies: one
+// per matrix (an expert stack has one per expert), after the weight's data and its header.
 struct accel_weight {
     char                  name[GGML_MAX_NAME];
     int32_t               tag, id;
@@ -355,6 +355,38 @@ static bool in_our_buffer(const struct ggml_tensor * t) {
     return base->buffer && base->buffer->buft == accel_buft();
 }
 
+// A weight's record sits in a header after its data, not in tensor->extra: ggml's CPU matmul
+// takes a weight with an extra for a repacked one and skips its tiled kernels (ggml-cpu's
+// tiled.cpp), which run prompts here 2x faster than the row dot products. The header is
+// ACCEL_HDR bytes at data + align_up(nbytes), then come the column copies.
+#define ACCEL_HDR   ACCEL_ALIGN
+#define ACCEL_MAGIC 0x31574950u  // "PIW1"
+
+struct accel_header {
+    uint32_t              magic;
+    struct accel_weight * w;
+};
+
+static struct accel_header * header_of(const struct ggml_tensor * t) {
+    return (struct accel_header *) ((char *) t->data + align_up(ggml_nbytes(t)));
+}
+
+// The record of a weight in our buffers (a tensor of no op, in a buffer that is not a compute
+// buffer: the ones init_tensor gave a header), else NULL.
+static struct accel_weight * weight_of(const struct ggml_tensor * t) {
+    if (!in_our_buffer(t) || t->view_src || t->op != GGML_OP_NONE || !t->data ||
+        t->buffer->usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE) {
+        return NULL;
+    }
+    const struct accel_header * h = header_of(t);
+    return h->magic == ACCEL_MAGIC ? h->w : NULL;
+}
+
+// Where a weight's column copies start.
+static char * copies_of(const struct ggml_tensor * t) {
+    return (char *) t->data + align_up(ggml_nbytes(t)) + ACCEL_HDR;
+}
+
 // The 2-D matrix e of w (a whole 2-D weight, or expert e of a stack), as a tensor header.
 static struct ggml_tensor matrix_of(const struct ggml_tensor * w, int64_t e) {
     struct ggml_tensor m = *w;
@@ -387,9 +419,10 @@ static bool wants_sparse(const struct ggml_tensor * w, float * threshold) {
     return true;
 }
 
-// A tensor's bytes, and for a sparse weight its column copies after them. Any other tensor
-// (the compute buffers' too: a [1, n_tokens] f32 node of MoE routing is 4 bytes) asks for
-// exactly ggml_nbytes: ggml asserts that only quantized or empty-op tensors ask for more.
+// A tensor's bytes; for a tensor of no op (a weight) its header after them, and for a sparse
+// weight its column copies after that. Any other tensor (the compute buffers' nodes: a
+// [1, n_tokens] f32 node of MoE routing is 4 bytes) asks for exactly ggml_nbytes: ggml
+// asserts that only quantized or empty-op tensors ask for more.
 static size_t weight_alloc_size(const struct ggml_tensor * t) {
     const size_t n = ggml_nbytes(t);
     size_t copies = 0;
@@ -404,7 +437,7 @@ static size_t weight_alloc_size(const struct ggml_tensor * t) {
         if (b) copies = align_up(b) * (size_t) t->ne[2];
     }
     pthread_mutex_unlock(&g_lock);
-    return copies ? align_up(n) + copies : n;
+    return t->op == GGML_OP_NONE ? align_up(n) + ACCEL_HDR + copies : n;
 }
 
 static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
@@ -454,7 +487,7 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
         grp->refs++;
         if (gr->member == 0) {
             grp->cm = d->plan;
-            pi_colmat_bind(&grp->cm, (char *) t->data + align_up(ggml_nbytes(t)));
+            pi_colmat_bind(&grp->cm, copies_of(t));
             grp->bound = true;
             grp->id    = w->id;
         }
@@ -471,7 +504,7 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
             return GGML_STATUS_ALLOC_FAILED;
         }
         const size_t per = align_up(colmat_bytes(t, &cm0));
-        char * mem = (char *) t->data + align_up(ggml_nbytes(t));
+        char * mem = copies_of(t);
         for (int32_t e = 0; e < w->n_mats; ++e) {
             w->cm[e] = cm0;
             pi_colmat_bind(&w->cm[e], mem + (size_t) e * per);
@@ -495,7 +528,7 @@ static enum ggml_status accel_buffer_init_tensor(ggml_backend_buffer_t buffer, s
     w->next   = g_weights;
     g_weights = w;
     pthread_mutex_unlock(&g_lock);
-    t->extra = w;
+    *header_of(t) = (struct accel_header) { ACCEL_MAGIC, w };
     return GGML_STATUS_SUCCESS;
 }
 
@@ -536,7 +569,7 @@ static void * accel_buffer_get_base(ggml_backend_buffer_t buffer) {
 }
 
 static void mark_unfilled(struct ggml_tensor * t) {
-    struct accel_weight * w = t->extra;
+    struct accel_weight * w = weight_of(t);
     if (w && w->sparse) __atomic_store_n(&w->filled, 0, __ATOMIC_RELEASE);
     if (w && w->grp) __atomic_store_n(&w->grp->filled, 0, __ATOMIC_RELEASE);
 }
@@ -754,8 +787,7 @@ static struct moe_layout moe_layout_of(const struct accel_weight * w, const stru
 // Whether node (MUL_MAT / MUL_MAT_ID of a sparse weight) runs our product now.
 static bool runs_sparse(const struct ggml_tensor * node) {
     const struct ggml_tensor * wt = node->src[0];
-    if (!in_our_buffer(wt) || wt->view_src) return false;
-    const struct accel_weight * w = wt->extra;
+    const struct accel_weight * w = weight_of(wt);
     if (!w || !w->sparse || w->grp) return false;  // a group's members run together (group_pass)
     const struct ggml_tensor * x = node->src[1];
     if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32) return false;
@@ -879,7 +911,7 @@ static void run_mul_mat_id(struct accel_backend * be, struct ggml_tensor * node,
 // The custom op our nodes become: every thread of the CPU backend's pool calls it.
 static void accel_custom(struct ggml_tensor * node, int ith, int nth, void * userdata) {
     struct accel_backend * be = userdata;
-    struct accel_weight * w = node->src[0]->extra;
+    struct accel_weight * w = weight_of(node->src[0]);
     if (w->grp) {
         run_group_member(be, node, node->extra, ith, nth);
         return;
@@ -949,8 +981,8 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
     int32_t n_roles = 0;
     for (int i = 0; i < n; ++i) {  // roles: at most one per node
         const struct ggml_tensor * node = ggml_graph_node(g, i);
-        n_roles += node->op == GGML_OP_MUL_MAT && in_our_buffer(node->src[0]) && node->src[0]->extra &&
-                   ((const struct accel_weight *) node->src[0]->extra)->grp;
+        const struct accel_weight * w = node->op == GGML_OP_MUL_MAT ? weight_of(node->src[0]) : NULL;
+        n_roles += w && w->grp;
     }
     if (n_roles == 0) return;
     if (n_roles > be->cap_roles) {
@@ -966,7 +998,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
     for (int i = 0; i < n; ++i) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (node->op != GGML_OP_MUL_MAT || !in_our_buffer(node->src[0]) || node->src[0]->view_src) continue;
-        struct accel_weight * w = node->src[0]->extra;
+        struct accel_weight * w = weight_of(node->src[0]);
         if (!w || !w->grp) continue;
         struct accel_group * grp = w->grp;
         const struct ggml_tensor * x = node->src[1];
@@ -980,7 +1012,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
         for (int j = i; j < n && found < grp->n; ++j) {
             struct ggml_tensor * o = ggml_graph_node(g, j);
             if (o->op != GGML_OP_MUL_MAT || o->src[1] != x || !in_our_buffer(o->src[0]) || o->src[0]->view_src) continue;
-            const struct accel_weight * ow = o->src[0]->extra;
+            const struct accel_weight * ow = weight_of(o->src[0]);
             if (!ow || ow->grp != grp || nodes[ow->member] || o->type != GGML_TYPE_F32 ||
                 o->nb[1] != (size_t) o->ne[0] * sizeof(float)) continue;
             nodes[ow->member] = o;
@@ -1036,7 +1068,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
 
 // Turns a sparse node into our custom op (its memory sized first); false leaves it to ggml.
 static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
-    struct accel_weight * w = node->src[0]->extra;
+    struct accel_weight * w = weight_of(node->src[0]);
     struct pi_input_op * ops = ops_of(be, w);
     if (!ops) return false;
     for (int32_t e = 0; e < w->n_mats; ++e) ops[e].n_threads = be->n_threads;
@@ -1050,7 +1082,8 @@ static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
 static bool calibrating(const struct ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return false;
     const struct ggml_tensor * wt = node->src[0];
-    return in_our_buffer(wt) && !wt->view_src && wt->extra && ((const struct accel_weight *) wt->extra)->hist &&
+    const struct accel_weight * w = weight_of(wt);
+    return w && w->hist &&
            node->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(node->src[1]);
 }
 
@@ -1084,7 +1117,7 @@ static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml
             struct ggml_tensor flat = *node->src[1];  // every token's input, as [n_in, rows]
             flat.ne[1] = flat.ne[1] * flat.ne[2] * flat.ne[3];
             flat.ne[2] = flat.ne[3] = 1;
-            pi_histogram_add(&flat, ((struct accel_weight *) node->src[0]->extra)->hist, 0, 1);
+            pi_histogram_add(&flat, weight_of(node->src[0])->hist, 0, 1);
         }
         start = i;
     }
@@ -1096,8 +1129,8 @@ static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml
 static float dense_rule(const struct ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return NAN;
     const struct ggml_tensor * wt = node->src[0];
-    if (!in_our_buffer(wt) || wt->view_src || !wt->extra) return NAN;
-    const struct accel_weight * w = wt->extra;
+    const struct accel_weight * w = weight_of(wt);
+    if (!w) return NAN;
     if (!w->sparse || node->src[1]->type != GGML_TYPE_F32) return NAN;
     return w->grp ? w->grp->stat.threshold : w->stat.threshold;
 }
@@ -1200,7 +1233,7 @@ static enum ggml_status accel_graph_compute(ggml_backend_t backend, struct ggml_
     enum ggml_status st = GGML_STATUS_SUCCESS;
     for (int32_t i = 0; i < be->n_swapped; ++i) {  // slots that could not be allocated
         const struct ggml_tensor * node = be->swapped[i].node;
-        const struct accel_weight * w = node->src[0]->extra;
+        const struct accel_weight * w = weight_of(node->src[0]);
         if (w && w->grp && !((const struct accel_role *) node->extra)->slot) st = GGML_STATUS_ALLOC_FAILED;
     }
     bool rule = false;  // a matmul ggml computes densely on a sparse weight
