@@ -368,10 +368,14 @@ def test_bench_accel_prints_its_table(smollm2_path, sparse40, capsys):
     from powerinfer_py.bench import accel as bench_accel
 
     path, _ = sparse40
-    assert bench_accel.main(["--model", smollm2_path, "--sparse", path, "--n-gen", "4", "--reps", "1"]) == 0
+    assert bench_accel.main(["--model", smollm2_path, "--sparse", path, "--n-gen", "4", "--n-prompt", "48",
+                             "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "module, pass-through" in out
-    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "module" in ln]
+    decode, prompt = out.split("Prompt, 48 tokens")
+    rows = [ln for ln in decode.splitlines() if ln.startswith("| ") and "module" in ln]
     assert len(rows) == 2 and "GB/s" in out and "powerinfer kernels:" in out
     ideal = float(rows[1].split("|")[6].strip().rstrip("x"))
     assert ideal > 1.1  # 40% of the bytes dropped: the ideal is well above 1
+    prows = [ln for ln in prompt.splitlines() if ln.startswith("| ") and "module" in ln]
+    assert len(prows) == 2 and all(float(r.split("|")[4]) > 0 for r in prows)  # a prompt speed per engine
