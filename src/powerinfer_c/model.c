@@ -570,6 +570,23 @@ bool powerinfer_model_input_sparse(const struct powerinfer_model * model, int32_
            pi_input_cm(model, k)->n_segs > 0;
 }
 
+// Input mode: whether t, a matrix of input k, stays in the plain layout. A matrix with a
+// column copy runs dense only in prompts (and a sequence's first token), where on x86
+// ggml-cpu's tiled matmul takes its K-quants, but only from the plain layout (it leaves a
+// weight with an extra to the repacked kernels). Measured (docs/input-sparsity.md, "Prompts
+// and the repacked layouts"): as fast as the repacked kernels with AVX2, 1.2-1.5x faster with
+// AVX-512. Other types, and other CPUs (no tiled kernels), keep the repacked layouts.
+static bool input_stays_plain(const struct powerinfer_model * model, int32_t il, int32_t input, const struct ggml_tensor * t) {
+#if defined(__x86_64__)
+    const int32_t k = pi_input_index(model, il, input);
+    return t && model->hp.sparse_mode == POWERINFER_SPARSE_INPUT && k >= 0 && pi_input_cm(model, k)->n_segs > 0 &&
+           (t->type == GGML_TYPE_Q4_K || t->type == GGML_TYPE_Q5_K || t->type == GGML_TYPE_Q6_K);
+#else
+    (void) model; (void) il; (void) input; (void) t;
+    return false;
+#endif
+}
+
 // Dense matmul weights go to the repacked layouts where the CPU backend has one.
 static int32_t repack_dense_weights(struct powerinfer_model * model) {
     const int32_t per_layer = 10;
@@ -580,23 +597,25 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
     }
     int32_t n = 0;
 #define PI_REPACK_SLOT(t, packed) do { if (!(packed)) w[n++] = &(t); } while (0)  // packed (pack_dense): not here
+#define PI_REPACK_INPUT(t, packed, input) do { if (!input_stays_plain(model, il, input, t)) PI_REPACK_SLOT(t, packed); } while (0)
     for (int32_t il = 0; il < model->hp.n_layer; ++il) {
         struct pi_layer * l = &model->layers[il];
-        PI_REPACK_SLOT(l->wqkv, l->wqkv_p);
-        PI_REPACK_SLOT(l->wq, l->wq_p);
-        PI_REPACK_SLOT(l->wk, l->wk_p);
-        PI_REPACK_SLOT(l->wv, l->wv_p);
-        PI_REPACK_SLOT(l->wo, l->wo_p);
+        PI_REPACK_INPUT(l->wqkv, l->wqkv_p, POWERINFER_INPUT_QKV);
+        PI_REPACK_INPUT(l->wq, l->wq_p, POWERINFER_INPUT_QKV);
+        PI_REPACK_INPUT(l->wk, l->wk_p, POWERINFER_INPUT_QKV);
+        PI_REPACK_INPUT(l->wv, l->wv_p, POWERINFER_INPUT_QKV);
+        PI_REPACK_INPUT(l->wo, l->wo_p, POWERINFER_INPUT_O);
         if (l->fc1 && !packed_pred) { w[n++] = &l->fc1; w[n++] = &l->fc2; }
         // Rows the sparse operators read one by one stay in the plain mapping.
         const int32_t mode = model->hp.sparse_mode;
-        if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) PI_REPACK_SLOT(l->ffn_gate, l->ffn_gate_p);
+        if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) PI_REPACK_INPUT(l->ffn_gate, l->ffn_gate_p, POWERINFER_INPUT_FFN);
         if (mode == POWERINFER_SPARSE_DENSE) PI_REPACK_SLOT(l->ffn_up, l->ffn_up_p);
-        if (l->ffn_down) PI_REPACK_SLOT(l->ffn_down, l->ffn_down_p);
+        if (l->ffn_down) PI_REPACK_INPUT(l->ffn_down, l->ffn_down_p, POWERINFER_INPUT_DOWN);
     }
-    if (model->output != model->tok_embd) {
+    if (model->output != model->tok_embd && !input_stays_plain(model, model->hp.n_layer, 0, model->output)) {
         PI_REPACK_SLOT(model->output, model->output_p);
     }
+#undef PI_REPACK_INPUT
 #undef PI_REPACK_SLOT
     int32_t rc = pi_repack_weights(model, w, n);
     free(w);
