@@ -60,6 +60,25 @@ def _bound(w, x, tau, block):
     return (d / 2 * (xk > 0)) @ np.abs(w).T
 
 
+def _margins(model_path, nodes, thr, types):
+    """Checks every captured node against numpy's product over its kept entries (within
+    _bound), and returns per node how far the full product is from the kept one, in units of
+    the node's distance from the kept one."""
+    deq = ggml_capture.dequantized(model_path)
+    margins = []
+    for nd in nodes:
+        w = deq(nd.weight).astype(np.float64)
+        x = nd.x.reshape(-1, nd.x.shape[-1]).astype(np.float64)
+        y = nd.y.reshape(-1, nd.y.shape[-1]).astype(np.float64)
+        tau = float(thr[nd.weight])
+        ref = ggml_capture.kept_product(w, x, tau)
+        bound = _bound(w, x, tau, 256 if types[nd.weight] in K_QUANTS else 32)
+        err = np.abs(y - ref)
+        assert (err <= bound + 1e-5 * np.abs(ref) + 1e-6).all(), (nd.weight, float((err - bound).max()))
+        margins.append(np.linalg.norm(ref - x @ w.T) / max(np.linalg.norm(y - ref), 1e-12))
+    return margins
+
+
 def test_calibrated_file_and_its_products_match_numpy(smollm2_path, sparse40):
     path, r = sparse40
     thr, types = _thresholds(path)
@@ -87,20 +106,8 @@ def test_calibrated_file_and_its_products_match_numpy(smollm2_path, sparse40):
     sizes = {w["name"]: w["group_size"] for w in placed if w["sparse"]}
     assert any(size == 3 for size in sizes.values()) and any(size == 2 for size in sizes.values()), sizes
     assert len(nodes) >= 3 * len(sparse) - 3  # every sparse weight, every step (the tied head once per step)
-    deq = ggml_capture.dequantized(smollm2_path)
-    margins = []
-    for nd in nodes:
-        w = deq(nd.weight).astype(np.float64)
-        x = nd.x.reshape(-1, nd.x.shape[-1]).astype(np.float64)
-        y = nd.y.reshape(-1, nd.y.shape[-1]).astype(np.float64)
-        tau = float(thr[nd.weight])
-        ref = ggml_capture.kept_product(w, x, tau)
-        bound = _bound(w, x, tau, 256 if types[nd.weight] in K_QUANTS else 32)
-        err = np.abs(y - ref)
-        assert (err <= bound + 1e-5 * np.abs(ref) + 1e-6).all(), (nd.weight, float((err - bound).max()))
-        margins.append(np.linalg.norm(ref - x @ w.T) / max(np.linalg.norm(y - ref), 1e-12))
     # what dropping the entries changes is far above what the kernel's rounding does
-    assert np.median(margins) > 3, np.median(margins)
+    assert np.median(_margins(smollm2_path, nodes, thr, types)) > 3
 
 
 def test_batches_above_the_max_keep_the_rule(smollm2_path, sparse40):
@@ -116,19 +123,7 @@ def test_batches_above_the_max_keep_the_rule(smollm2_path, sparse40):
         nodes = ggml_capture.capture(path, [list(range(300, 340))], lambda name: name in sparse)
     big = [nd for nd in nodes if nd.x.reshape(-1, nd.x.shape[-1]).shape[0] == 40]
     assert len(big) >= len(sparse) - 10  # every sparse weight but the last layer's (its output row alone)
-    deq = ggml_capture.dequantized(smollm2_path)
-    margins = []
-    for nd in big:
-        w = deq(nd.weight).astype(np.float64)
-        x = nd.x.reshape(-1, nd.x.shape[-1]).astype(np.float64)
-        y = nd.y.reshape(-1, nd.y.shape[-1]).astype(np.float64)
-        tau = float(thr[nd.weight])
-        ref = ggml_capture.kept_product(w, x, tau)
-        bound = _bound(w, x, tau, 256 if types[nd.weight] in K_QUANTS else 32)
-        err = np.abs(y - ref)
-        assert (err <= bound + 1e-5 * np.abs(ref) + 1e-6).all(), (nd.weight, float((err - bound).max()))
-        margins.append(np.linalg.norm(ref - x @ w.T) / max(np.linalg.norm(y - ref), 1e-12))
-    assert np.median(margins) > 3, np.median(margins)
+    assert np.median(_margins(smollm2_path, big, thr, types)) > 3
 
 
 def test_threshold_zero_matches_llama_cpp(smollm2_path, ref_llama, tmp_path):
