@@ -163,8 +163,16 @@ static enum ggml_type batch_down_type(enum ggml_type t, int64_t n_ff) {
     return n_ff % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
 }
 
-static bool down_packed(enum ggml_type t, int64_t n_embd, int64_t n_ff) {
-    return pi_pack_available() && batch_down_type(t, n_ff) == GGML_TYPE_Q8_0 && n_embd % PI_PACK_ROWS == 0;
+// Whether the batch copy of down (prompts of files without ffn_down) goes to the packed
+// kernels: where they beat ggml's Q8_0 matmul, or where the model packs every dense matmul
+// (pack_dense: the packed kernels' batch invariance). At the avx2 level (vpmaddubsw, no VNNI)
+// ggml's is faster: a 256-token prompt of the 7B-shaped PWRI file, dense mode, 2 threads, ran
+// at 17.4 tok/s packed and 19.9 through ggml, where the avx512 level's packed kernels gave
+// 24.2 (docs/benchmarks.md, "The AVX2 kernel level"). The other levels
+// keep them (avxvnni and NEON dotprod are not measured here).
+static bool down_packed(const struct powerinfer_model * model, enum ggml_type t, int64_t n_embd, int64_t n_ff) {
+    return pi_pack_available() && batch_down_type(t, n_ff) == GGML_TYPE_Q8_0 && n_embd % PI_PACK_ROWS == 0 &&
+           (model->params.pack_dense || strcmp(pi_kernel_level(), "avx2") != 0);
 }
 
 // The first extra buffer type whose matmul takes a tensor like t, else NULL.
@@ -259,7 +267,7 @@ static int32_t alloc_copies(struct powerinfer_model * model, ggml_backend_buffer
         struct ggml_tensor * t;
         if (!transposed[i]) {
             t = ggml_dup_tensor(ctx, s);
-        } else if (down_packed(s->type, s->ne[0], s->ne[1])) {
+        } else if (down_packed(model, s->type, s->ne[0], s->ne[1])) {
             t = pi_pack_tensor(ctx, PI_PACK_Q8, s->ne[0], s->ne[1]);
         } else {
             t = ggml_new_tensor_2d(ctx, batch_down_type(s->type, s->ne[1]), s->ne[1], s->ne[0]);
@@ -324,7 +332,7 @@ int32_t pi_make_batch_weights(struct powerinfer_model * model, bool repacked) {
             like[n] = l->ffn_down_t;
             slots[n] = &l->ffn_down_b;
             transposed[n++] = true;
-            l->ffn_down_b_packed = down_packed(l->ffn_down_t->type, l->ffn_down_t->ne[0], l->ffn_down_t->ne[1]);
+            l->ffn_down_b_packed = down_packed(model, l->ffn_down_t->type, l->ffn_down_t->ne[0], l->ffn_down_t->ne[1]);
         }
     }
     if (rc == POWERINFER_OK && n > 0 && (rc = alloc_copies(model, ggml_backend_cpu_buffer_type(), like, transposed, slots, n)) == POWERINFER_OK) {
