@@ -997,8 +997,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
     size_t  slot_floats = 0;
     for (int i = 0; i < n; ++i) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
-        if (node->op != GGML_OP_MUL_MAT || !in_our_buffer(node->src[0]) || node->src[0]->view_src) continue;
-        struct accel_weight * w = weight_of(node->src[0]);
+        struct accel_weight * w = node->op == GGML_OP_MUL_MAT ? weight_of(node->src[0]) : NULL;
         if (!w || !w->grp) continue;
         struct accel_group * grp = w->grp;
         const struct ggml_tensor * x = node->src[1];
@@ -1011,7 +1010,7 @@ static void group_pass(struct accel_backend * be, struct ggml_cgraph * g) {
         int last = i, found = 0;
         for (int j = i; j < n && found < grp->n; ++j) {
             struct ggml_tensor * o = ggml_graph_node(g, j);
-            if (o->op != GGML_OP_MUL_MAT || o->src[1] != x || !in_our_buffer(o->src[0]) || o->src[0]->view_src) continue;
+            if (o->op != GGML_OP_MUL_MAT || o->src[1] != x) continue;
             const struct accel_weight * ow = weight_of(o->src[0]);
             if (!ow || ow->grp != grp || nodes[ow->member] || o->type != GGML_TYPE_F32 ||
                 o->nb[1] != (size_t) o->ne[0] * sizeof(float)) continue;
@@ -1081,10 +1080,8 @@ static bool swap_in(struct accel_backend * be, struct ggml_tensor * node) {
 
 static bool calibrating(const struct ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return false;
-    const struct ggml_tensor * wt = node->src[0];
-    const struct accel_weight * w = weight_of(wt);
-    return w && w->hist &&
-           node->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(node->src[1]);
+    const struct accel_weight * w = weight_of(node->src[0]);
+    return w && w->hist && node->src[1]->type == GGML_TYPE_F32 && ggml_is_contiguous(node->src[1]);
 }
 
 // Computes nodes [start, end) of g (the part graph sized for g's nodes first).
@@ -1128,10 +1125,8 @@ static enum ggml_status calibrate_compute(struct accel_backend * be, struct ggml
 // max, or a shape the product does not take), NAN for any other node.
 static float dense_rule(const struct ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return NAN;
-    const struct ggml_tensor * wt = node->src[0];
-    const struct accel_weight * w = weight_of(wt);
-    if (!w) return NAN;
-    if (!w->sparse || node->src[1]->type != GGML_TYPE_F32) return NAN;
+    const struct accel_weight * w = weight_of(node->src[0]);
+    if (!w || !w->sparse || node->src[1]->type != GGML_TYPE_F32) return NAN;
     return w->grp ? w->grp->stat.threshold : w->stat.threshold;
 }
 

@@ -575,8 +575,8 @@ struct ggml_cgraph * pi_build_graph(struct ggml_context * ctx, const struct powe
     ggml_set_name(in->embd, "result_norm");
     ggml_set_output(in->embd);
     in->logits = input_sparse(ctx, model, gp, hp->n_layer, 0, cur);  // [n_vocab, n_outputs]
-    struct ggml_tensor * head_x = in->logits ? cur : input_masked(ctx, model, gp, in, hp->n_layer, 0, cur);
-    if (!in->logits && head_x != cur) {
+    struct ggml_tensor * head_x = in->logits ? NULL : input_masked(ctx, model, gp, in, hp->n_layer, 0, cur);
+    if (head_x && head_x != cur) {
         // input mode's rule on a dense step: its exact top rows too, as the sparse step has them
         in->logits = packed_or_mul(ctx, model, model->output, model->output_p, head_x);
     }
