@@ -854,6 +854,15 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
+// The AVX2 batch kernel without VNNI (dec_seg_batch) adds a pass's products in 16 bits (see
+// there): with 4-bit q that holds 8 groups, a whole 32-column chunk, so a batch over 4-bit q
+// alone (Q4_K, Q4_0 segments) takes up to 8 groups a pass and loads and stores each token's
+// sums half as often (pass_groups).
+#if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && !defined(__aarch64__)
+#define PI_CM_MAX_GROUPS 8
+#else
+#define PI_CM_MAX_GROUPS PI_CM_PASS_GROUPS
+#endif
 
 // A prefetch into L2 (x86: prefetcht1; aarch64: prfm pldl2keep) and into L1.
 #ifdef PI_CM_NEON
@@ -1452,7 +1461,7 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
     const int64_t n_pad = cm->n_pad;
     int32_t * dst = (kmode ? tsum : acc) + s->pad0;
     const uint8_t * scp = kmode ? seg_sc(s, j) : NULL;
-    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
+    const uint8_t * p[4 * PI_CM_MAX_GROUPS], * q[4 * PI_CM_MAX_GROUPS];
     for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + (size_t) cols[i] * cm->col_stride + s->col_off;
     for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
     __m256i init[PI_COLMAT_MAX_TOKENS];  // per token (6 bits): minus 32 * each pair's inputs, summed over the groups
@@ -1469,7 +1478,7 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
         const int nr = r0 + HALF < s->n_rows ? 4 : 2;  // row sets with rows: both halves', or the first's
         for (int P = 0; P < 2; ++P) {
             for (int k = 0; k < 2; ++k) {
-                __m256i w[PI_CM_PASS_GROUPS][4], sc[4];
+                __m256i w[PI_CM_MAX_GROUPS][4], sc[4];
                 int64_t rr[4];
                 for (int g = 0; g < NG; ++g) dec_unpack(p + 4 * g, lo, hi, BITS, P, k, w[g]);
                 for (int m = 0; m < nr; ++m) {
@@ -1477,7 +1486,7 @@ static inline __attribute__((always_inline)) void dec_seg_batch(const struct pi_
                     sc[m] = dec_scales(kmode, six, scp, rr[m], P);
                 }
                 for (int64_t t = 0; t < T; ++t) {
-                    __m256i x[PI_CM_PASS_GROUPS];
+                    __m256i x[PI_CM_MAX_GROUPS];
                     for (int g = 0; g < NG; ++g) x[g] = _mm256_set1_epi32(x4[g * T + t]);
                     int32_t * dt = dst + t * n_pad;
                     for (int m = 0; m < nr; ++m) {
@@ -1503,7 +1512,15 @@ static bool seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * 
 #define PI_CM_CASE(B) \
     switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
     if (s->bits == 4) {
+#if PI_CM_MAX_GROUPS > 4
+        switch (NG) {
+            case 1: PI_CM_NG(4, 1) break; case 2: PI_CM_NG(4, 2) break; case 3: PI_CM_NG(4, 3) break;
+            case 4: PI_CM_NG(4, 4) break; case 5: PI_CM_NG(4, 5) break; case 6: PI_CM_NG(4, 6) break;
+            case 7: PI_CM_NG(4, 7) break; default: PI_CM_NG(4, 8) break;
+        }
+#else
         PI_CM_CASE(4);
+#endif
     } else {
         PI_CM_CASE(6);
     }
@@ -2049,6 +2066,18 @@ static void groups_pass_batch(const struct pi_colmat * cm, const int32_t * cols,
 #endif
 }
 
+// Groups a pass takes: PI_CM_MAX_GROUPS for a batch where every segment has 4-bit q (see
+// there). One token keeps PI_CM_PASS_GROUPS: 8 groups measured slower there (Qwen2.5-1.5B,
+// 40%, bench-input-sparse-avx2, 2 threads, alternating builds: gate+up 0.40 against 0.36 ms,
+// down Q4_K 0.29 against 0.23), 4 tokens faster (down Q4_K 0.143 against 0.173 ms a token).
+static int32_t pass_groups(const struct pi_colmat * cm, int64_t T) {
+    if (T == 1) return PI_CM_PASS_GROUPS;
+    for (int k = 0; k < cm->n_segs; ++k) {
+        if (cm->seg[k].bits != 4) return PI_CM_PASS_GROUPS;
+    }
+    return PI_CM_MAX_GROUPS;
+}
+
 static void piece_simd(const struct pi_colmat * cm, const struct prep_view * prep, int64_t T, int64_t u0, int64_t u1,
                        struct piece_buf pb) {
     const int64_t C = cm->chunk;
@@ -2056,6 +2085,7 @@ static void piece_simd(const struct pi_colmat * cm, const struct prep_view * pre
     const int64_t per = kmode ? QK_K / C : 1, c_end = u1 * per;
     bool written = false;    // pb.y holds something
     bool t_written = false;  // pb.t holds this super-block's sums
+    const int32_t G_pass = pass_groups(cm, T);
     // Up to PI_CM_PASS_GROUPS groups per pass over acc (with xblock 256 the chunk's last pass
     // folds into t). Each pass brings the next pass's columns into L2 as it goes.
     int64_t c = u0 * per;
@@ -2065,7 +2095,7 @@ static void piece_simd(const struct pi_colmat * cm, const struct prep_view * pre
         int64_t cn = c + 1;  // the next chunk with columns
         while (cn < c_end && chunk_at(prep, cn, C, T).n_groups == 0) ++cn;
         const struct chunk_view vn = cn < c_end ? chunk_at(prep, cn, C, T) : (struct chunk_view) { 0 };
-        const int32_t G = PI_CM_PASS_GROUPS;
+        const int32_t G = G_pass;
         for (int32_t g = 0; g < v.n_groups; g += G) {
             const int ng = v.n_groups - g >= G ? G : v.n_groups - g;
             const bool last = g + G >= v.n_groups;
