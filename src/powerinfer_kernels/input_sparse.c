@@ -875,9 +875,9 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
-// The AVX2 batch kernel without VNNI (dec_seg_batch) adds a pass's products in 16 bits (see
-// there): with 4-bit q that holds 8 groups, a whole 32-column chunk, so a batch over 4-bit q
-// alone (Q4_K, Q4_0 segments) takes up to 8 groups a pass and loads and stores each token's
+// The AVX2 kernels without VNNI (dec_seg, dec_seg_batch) add a pass's products in 16 bits
+// (see there): with 4-bit q that holds 8 groups, a whole 32-column chunk, so matrices of 4-bit
+// q alone (Q4_K, Q4_0 segments) take up to 8 groups a pass and load and store each token's
 // sums half as often (pass_groups).
 #if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && !defined(__aarch64__)
 #define PI_CM_MAX_GROUPS 8
@@ -1334,7 +1334,7 @@ static inline __attribute__((always_inline)) void group_ptrs(const uint8_t * b, 
 // serves 64 rows: a group's 4 columns are interleaved first (the unpacks of part_w, on the
 // raw bytes), then split into the halves' nibbles, which halves the loads and unpacks per
 // weight. vpmaddubsw gives per row two 16-bit sums of column pairs, added over the pass's
-// groups in 16 bits: 4-bit q, 4 groups: 8 * 15 * 127 = 15240; 6-bit q less 32 (Q6_K's offset,
+// groups in 16 bits: 4-bit q, 8 groups: 16 * 15 * 127 = 30480; 6-bit q (4 groups) less 32 (Q6_K's offset,
 // taken off in 16 bits as 32 * the pass's inputs per pair): 8 * 32 * 127 = 32512. The int16
 // additions wrap, so the sums are exact wherever the final value fits, whatever the order.
 // Then one vpmaddwd per 8 rows widens the pairs: with ones into acc (xblock 32), or with the
@@ -1454,13 +1454,13 @@ static inline __attribute__((always_inline)) void dec_seg(const struct pi_colmat
     const bool zero = kmode ? first && t_first : first;
     int32_t * dst = (kmode ? tsum : acc) + s->pad0;
     const uint8_t * scp = kmode ? seg_sc(s, j) : NULL;
-    const uint8_t * p[4 * PI_CM_PASS_GROUPS], * q[4 * PI_CM_PASS_GROUPS];
-    size_t off[4 * PI_CM_PASS_GROUPS];
+    const uint8_t * p[4 * PI_CM_MAX_GROUPS], * q[4 * PI_CM_MAX_GROUPS];
+    size_t off[4 * PI_CM_MAX_GROUPS];
     for (int i = 0; i < 4 * NG; ++i) off[i] = (size_t) cols[i] * cm->col_stride;
     for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + off[i] + s->col_off;
     for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
     const uint8_t * base = cm->q + s->col_off;
-    __m256i x[PI_CM_PASS_GROUPS];
+    __m256i x[PI_CM_MAX_GROUPS];
     __m256i init = _mm256_setzero_si256();  // 6 bits: minus 32 * each pair's inputs, summed over the groups
     for (int g = 0; g < NG; ++g) {
         x[g] = _mm256_set1_epi32(x4[g]);
@@ -2075,6 +2075,17 @@ static void groups_pass(const struct pi_colmat * cm, const int32_t * cols, const
         else      groups_seg(cm, s, B, N, cols, x4, T, acc, first, pf, npf, false, j, tsum, t_first, s8, ta, tz);
 #define PI_CM_CASE(B) \
         switch (NG) { case 1: PI_CM_NG(B, 1) break; case 2: PI_CM_NG(B, 2) break; case 3: PI_CM_NG(B, 3) break; default: PI_CM_NG(B, 4) break; }
+#if PI_CM_MAX_GROUPS > 4
+        if (s->bits == 4 && NG > 4) {  // one token, 4-bit q (pass_groups)
+            switch (NG) {
+                case 5: dec_seg(cm, s, 4, 5, cols, x4, acc, first, pf, npf, j, tsum, t_first, ta, tz); break;
+                case 6: dec_seg(cm, s, 4, 6, cols, x4, acc, first, pf, npf, j, tsum, t_first, ta, tz); break;
+                case 7: dec_seg(cm, s, 4, 7, cols, x4, acc, first, pf, npf, j, tsum, t_first, ta, tz); break;
+                default: dec_seg(cm, s, 4, 8, cols, x4, acc, first, pf, npf, j, tsum, t_first, ta, tz); break;
+            }
+            continue;
+        }
+#endif
         switch (s->bits) {
             case 4:  PI_CM_CASE(4); break;
             case 5:  PI_CM_CASE(5); break;
@@ -2105,12 +2116,13 @@ static void groups_pass_batch(const struct pi_colmat * cm, const int32_t * cols,
 #endif
 }
 
-// Groups a pass takes: PI_CM_MAX_GROUPS for a batch where every segment has 4-bit q (see
-// there). One token keeps PI_CM_PASS_GROUPS: 8 groups measured slower there (Qwen2.5-1.5B,
-// 40%, bench-input-sparse-avx2, 2 threads, alternating builds: gate+up 0.40 against 0.36 ms,
-// down Q4_K 0.29 against 0.23), 4 tokens faster (down Q4_K 0.143 against 0.173 ms a token).
-static int32_t pass_groups(const struct pi_colmat * cm, int64_t T) {
-    if (T == 1) return PI_CM_PASS_GROUPS;
+// Groups a pass takes: PI_CM_MAX_GROUPS where every segment has 4-bit q (see there), for a
+// batch and for one token. One token first measured slower with 8 (gate+up 0.40 against 0.36
+// ms), when dec_seg kept 32 spilled column pointers; with group_ptrs' offsets it is faster
+// (Qwen2.5-1.5B, 40%, bench-input-sparse-avx2, alternating builds: 1 thread in cache gate+up
+// 0.485 -> 0.46-0.476 ms, down Q4_K 0.274 -> 0.254-0.265; 2 threads gate+up 0.29-0.35 ->
+// 0.26-0.29). 4 tokens: down Q4_K 0.143 against 0.173 ms a token.
+static int32_t pass_groups(const struct pi_colmat * cm) {
     for (int k = 0; k < cm->n_segs; ++k) {
         if (cm->seg[k].bits != 4) return PI_CM_PASS_GROUPS;
     }
@@ -2124,7 +2136,7 @@ static void piece_simd(const struct pi_colmat * cm, const struct prep_view * pre
     const int64_t per = kmode ? QK_K / C : 1, c_end = u1 * per;
     bool written = false;    // pb.y holds something
     bool t_written = false;  // pb.t holds this super-block's sums
-    const int32_t G_pass = pass_groups(cm, T);
+    const int32_t G_pass = pass_groups(cm);
     // Up to PI_CM_PASS_GROUPS groups per pass over acc (with xblock 256 the chunk's last pass
     // folds into t). Each pass brings the next pass's columns into L2 as it goes.
     int64_t c = u0 * per;
