@@ -1315,6 +1315,7 @@ static inline __attribute__((always_inline)) void put_sums8(__m256i v, int32_t *
                         t_first ? pv : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (tsum + i)), pv));
 }
 
+#if !defined(__AVXVNNI__)
 // Group g's 4 column pointers at b (a plane's address at this tile, column 0): the offsets
 // (column * stride) are read from memory at each use and added in the load's address. With
 // 16 pointers live across a tile, gcc otherwise keeps them as spilled pointers, recomputed
@@ -1327,7 +1328,6 @@ static inline __attribute__((always_inline)) void group_ptrs(const uint8_t * b, 
     }
 }
 
-#if !defined(__AVXVNNI__)
 // ---- decode (one token) without VNNI: 4-bit q, and 6-bit q with xblock 256 --
 //
 // A tile's low plane holds both halves' q, one in each nibble, so one load per column and part
@@ -1454,12 +1454,12 @@ static inline __attribute__((always_inline)) void dec_seg(const struct pi_colmat
     const bool zero = kmode ? first && t_first : first;
     int32_t * dst = (kmode ? tsum : acc) + s->pad0;
     const uint8_t * scp = kmode ? seg_sc(s, j) : NULL;
-    const uint8_t * p[4 * PI_CM_MAX_GROUPS], * q[4 * PI_CM_MAX_GROUPS];
+    const uint8_t * base = cm->q + s->col_off;
+    const uint8_t * p[4 * PI_CM_MAX_GROUPS], * q[4 * PI_CM_MAX_GROUPS];  // for pass_prefetch
     size_t off[4 * PI_CM_MAX_GROUPS];
     for (int i = 0; i < 4 * NG; ++i) off[i] = (size_t) cols[i] * cm->col_stride;
-    for (int i = 0; i < 4 * NG; ++i) p[i] = cm->q + off[i] + s->col_off;
-    for (int i = 0; i < npf; ++i) q[i] = cm->q + (size_t) pf[i] * cm->col_stride + s->col_off;
-    const uint8_t * base = cm->q + s->col_off;
+    for (int i = 0; i < 4 * NG; ++i) p[i] = base + off[i];
+    for (int i = 0; i < npf; ++i) q[i] = base + (size_t) pf[i] * cm->col_stride;
     __m256i x[PI_CM_MAX_GROUPS];
     __m256i init = _mm256_setzero_si256();  // 6 bits: minus 32 * each pair's inputs, summed over the groups
     for (int g = 0; g < NG; ++g) {
@@ -2137,7 +2137,7 @@ static void piece_simd(const struct pi_colmat * cm, const struct prep_view * pre
     bool written = false;    // pb.y holds something
     bool t_written = false;  // pb.t holds this super-block's sums
     const int32_t G_pass = pass_groups(cm);
-    // Up to PI_CM_PASS_GROUPS groups per pass over acc (with xblock 256 the chunk's last pass
+    // Up to G_pass groups per pass over acc (with xblock 256 the chunk's last pass
     // folds into t). Each pass brings the next pass's columns into L2 as it goes.
     int64_t c = u0 * per;
     while (c < c_end && chunk_at(prep, c, C, T).n_groups == 0) ++c;
