@@ -405,6 +405,25 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
         for j in range(n):
             check(ys[j], xs[j], tau)
 
+    # The exact rows are chosen by one op and computed by the next, dealt out to the threads
+    # (pi_head_exact_top): the logits must be the same bits at 1, 2 and 3 threads, alone and
+    # in a batch of 2 (fewer tokens than threads, as many, more).
+    runs = []
+    for n_threads in (1, 2, 3):
+        with Model(str(out)) as m, Context(m, n_ctx=64, n_threads=n_threads, n_threads_batch=n_threads) as c:
+            c.decode([toks[0]], 0)
+            c.set_input_threshold(n_layer, 0, tau)
+            rows = []
+            for pos, t in enumerate(toks[1:6], start=1):
+                c.decode([t], pos)
+                rows.append(np.array(c.logits(-1), dtype=np.float32))
+            c.decode(toks[6:8], 6, logits_all=True)
+            rows.append(np.array(c.logits(0, 2), dtype=np.float32).ravel())
+            runs.append(rows)
+    for rows in runs[1:]:
+        for a, b in zip(runs[0], rows):
+            assert np.array_equal(a, b)
+
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen"])
 def test_bench_counts_the_column_kernels_bytes(which, smollm2_path, qwen_path):

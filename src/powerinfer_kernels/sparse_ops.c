@@ -536,37 +536,64 @@ static void heap_down(float * v, int32_t * r, int32_t n, int32_t i) {
     }
 }
 
-static void head_exact_top_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const int32_t k = (int32_t) (intptr_t) userdata;
-    const struct ggml_tensor * w = dst->src[1], * xq = dst->src[2];
-    const int64_t n_vocab = dst->ne[0];
-    float   v[PI_HEAD_EXACT_MAX];
-    int32_t r[PI_HEAD_EXACT_MAX];
-    for (int64_t t = ith; t < dst->ne[1]; t += nth) {  // a token's whole vocabulary per thread
-        float * y = (float *) ((char *) dst->data + t * dst->nb[1]);
-        int32_t n = 0;
-        for (int64_t i = 0; i < n_vocab; ++i) {
-            const float yi = y[i];
-            if (n < k) {
-                if (yi != yi) continue;  // NaN: stays as computed
-                v[n] = yi;
-                r[n++] = (int32_t) i;
-                if (n == k) {  // full: make it a heap
-                    for (int32_t j = k / 2 - 1; j >= 0; --j) heap_down(v, r, n, j);
-                }
-            } else if (yi > v[0]) {
-                v[0] = yi;
-                r[0] = (int32_t) i;
-                heap_down(v, r, n, 0);
+// The k largest of y[0, n) by (value, then the lower row), NaN never among them, into
+// (v, r) as a min-heap; returns how many (< k only when y holds fewer numbers).
+static int32_t top_rows(const float * y, int64_t n_y, int32_t k, float * v, int32_t * r) {
+    int32_t n = 0;
+    for (int64_t i = 0; i < n_y; ++i) {
+        const float yi = y[i];
+        if (n < k) {
+            if (yi != yi) continue;  // NaN: stays as computed
+            v[n] = yi;
+            r[n++] = (int32_t) i;
+            if (n == k) {  // full: make it a heap
+                for (int32_t j = k / 2 - 1; j >= 0; --j) heap_down(v, r, n, j);
             }
+        } else if (yi > v[0]) {  // a tie loses to the root: its row is higher
+            v[0] = yi;
+            r[0] = (int32_t) i;
+            heap_down(v, r, n, 0);
         }
+    }
+    return n;
+}
+
+// Two ops: the first finds each token's top rows (a token's whole vocabulary per thread) and
+// writes them to a list [T][1 + k] (a count, then the rows); the second computes the listed
+// rows exactly, PI_ROWS_MAX at a time, the groups of every token dealt out to the threads in
+// turn. So with one token both threads share its rows' reads, most of the time, and no
+// thread writes a logit while another still reads them to choose its rows.
+static void head_top_rows_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const int32_t k = (int32_t) (intptr_t) userdata;
+    const struct ggml_tensor * logits = dst->src[0];
+    float v[PI_HEAD_EXACT_MAX];
+    for (int64_t t = ith; t < logits->ne[1]; t += nth) {
+        int32_t * list = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        list[0] = top_rows((const float *) ((const char *) logits->data + t * logits->nb[1]), logits->ne[0], k, v, list + 1);
+    }
+}
+
+static void head_exact_rows_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * w = dst->src[1], * xq = dst->src[2], * lists = dst->src[3];
+    const size_t row_bytes = ggml_row_size(w->type, w->ne[0]);
+    int64_t g = 0;  // the group's index over every token's list
+    for (int64_t t = 0; t < dst->ne[1]; ++t) {
+        float * y = (float *) ((char *) dst->data + t * dst->nb[1]);
+        const int32_t * list = (const int32_t *) ((const char *) lists->data + t * lists->nb[1]);
+        const int32_t n = list[0], * r = list + 1;
         const void * y_q = (const char *) xq->data + t * xq->nb[1];
-        for (int32_t j = 0; j < n; j += PI_ROWS_MAX) {
+        for (int32_t j = 0; j < n; j += PI_ROWS_MAX, ++g) {
+            if (g % nth != ith) continue;
             const int kn = n - j < PI_ROWS_MAX ? (int) (n - j) : PI_ROWS_MAX;
             const void * rows[PI_ROWS_MAX];
             float res[PI_ROWS_MAX];
+            struct pi_next_rows nr = { .k = 0, .bytes = row_bytes };  // this thread's next group, when it is this token's
             for (int q = 0; q < kn; ++q) rows[q] = (const char *) w->data + (size_t) r[j + q] * w->nb[1];
-            pi_rows_dot(w->type, w->ne[0], rows, kn, y_q, res, NULL);
+            for (int32_t q = j + nth * PI_ROWS_MAX; q < n && nr.k < PI_ROWS_MAX; ++q) {
+                nr.rows[nr.k++] = (const char *) w->data + (size_t) r[q] * w->nb[1];
+            }
+            pi_rows_dot(w->type, w->ne[0], rows, kn, y_q, res, nr.k ? &nr : NULL);
             for (int q = 0; q < kn; ++q) y[r[j + q]] = res[q];
         }
     }
@@ -577,6 +604,9 @@ struct ggml_tensor * pi_head_exact_top(struct ggml_context * ctx, struct ggml_te
     GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_contiguous(logits) && logits->ne[0] == w->ne[1]);
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->ne[1] == logits->ne[1]);
     GGML_ASSERT(k > 0 && k <= PI_HEAD_EXACT_MAX);
-    struct ggml_tensor * args[2] = { w, pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(w->type)->vec_dot_type) };
-    return ggml_custom_inplace(ctx, logits, args, 2, head_exact_top_op, GGML_N_TASKS_MAX, (void *) (intptr_t) k);
+    struct ggml_tensor * largs[1] = { logits };
+    struct ggml_tensor * lists = ggml_custom_4d(ctx, GGML_TYPE_I32, 1 + (int64_t) k, logits->ne[1], 1, 1, largs, 1,
+                                                head_top_rows_op, GGML_N_TASKS_MAX, (void *) (intptr_t) k);
+    struct ggml_tensor * args[3] = { w, pi_convert_rows(ctx, x, ggml_get_type_traits_cpu(w->type)->vec_dot_type), lists };
+    return ggml_custom_inplace(ctx, logits, args, 3, head_exact_rows_op, GGML_N_TASKS_MAX, NULL);
 }
