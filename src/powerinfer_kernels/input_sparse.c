@@ -875,11 +875,11 @@ static inline const uint8_t * seg_sc(const struct pi_colmat_seg * s, int64_t j) 
 // 0.132-0.143 against 0.155-0.166; down Q6_K at 50% 0.227-0.231 against 0.230-0.267;
 // gate+up at 50% 0.247-0.266 against 0.279-0.300 (40%: the same); q/k/v and o 5-15% faster.
 #define PI_CM_PASS_GROUPS 4
-// The AVX2 kernels without VNNI (dec_seg, dec_seg_batch) add a pass's products in 16 bits
-// (see there): with 4-bit q that holds 8 groups, a whole 32-column chunk, so matrices of 4-bit
-// q alone (Q4_K, Q4_0 segments) take up to 8 groups a pass and load and store each token's
-// sums half as often (pass_groups).
-#if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && !defined(__aarch64__)
+// The 256-bit x86 kernels (dec_seg, dec_seg_batch: the avx2 and avxvnni levels) add a pass's
+// products in 16 bits (see there): with 4-bit q that holds 8 groups, a whole 32-column chunk,
+// so matrices of 4-bit q alone (Q4_K, Q4_0 segments) take up to 8 groups a pass and load and
+// store each token's sums half as often (pass_groups).
+#if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__aarch64__)
 #define PI_CM_MAX_GROUPS 8
 #else
 #define PI_CM_MAX_GROUPS PI_CM_PASS_GROUPS
@@ -1315,7 +1315,14 @@ static inline __attribute__((always_inline)) void put_sums8(__m256i v, int32_t *
                         t_first ? pv : _mm256_add_epi32(_mm256_loadu_si256((const __m256i *) (tsum + i)), pv));
 }
 
-#if !defined(__AVXVNNI__)
+// The one-token and batch kernels from here on (dec_seg, dec_seg_batch) serve the avxvnni
+// level too. They add in 16 bits (vpmaddubsw) and widen once per pass with the K-quant scale
+// (vpmaddwd); vpdpbusd widens every group to 32 bits, and the scale then costs a 32-bit
+// multiply (groups_seg's general path, which the avxvnni level ran until 2026-12-08). On an
+// AMD Zen 5 that executes AVX-VNNI (bench-input-sparse-avxvnni, 1 thread, in cache, 40%):
+// gate+up Q4_K 0.484 -> 0.336 ms, down Q4_K 0.275 -> 0.200, down Q6_K 0.406 -> 0.321, the
+// output matrix 5.92 -> 4.89; 4 tokens, gate+up 0.411 -> 0.364 ms a token.
+
 // Group g's 4 column pointers at b (a plane's address at this tile, column 0): the offsets
 // (column * stride) are read from memory at each use and added in the load's address. With
 // 16 pointers live across a tile, gcc otherwise keeps them as spilled pointers, recomputed
@@ -1566,7 +1573,6 @@ static bool seg_batch(const struct pi_colmat * cm, const struct pi_colmat_seg * 
 #undef PI_CM_NG
     return true;
 }
-#endif
 
 // The AVX-512 groups_seg's work (same arguments) on 256-bit registers.
 static inline __attribute__((always_inline)) void groups_seg(const struct pi_colmat * cm, const struct pi_colmat_seg * s,
@@ -1575,7 +1581,6 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
                                                              const int32_t * pf, int npf, const bool fold, int64_t j,
                                                              int32_t * tsum, bool t_first, const int32_t * s8, int64_t ta,
                                                              int64_t tz) {
-#if !defined(__AVXVNNI__)
     // (6 bits, 4 groups: the path below measured faster while dec_seg kept 16 pointers, 0.72
     // against 0.92 ms on Qwen2.5-1.5B's Q6_K down with every column kept, in cache; with the
     // offsets of group_ptrs dec_seg takes 0.55 against 0.72, and the output matrix 9.2 against
@@ -1584,7 +1589,6 @@ static inline __attribute__((always_inline)) void groups_seg(const struct pi_col
         dec_seg(cm, s, BITS, NG, cols, x4, acc, first, pf, npf, j, tsum, t_first, ta, tz);
         return;
     }
-#endif
     const bool six = s->scales == PI_CM_6K;
     const uint8_t * scp = fold ? seg_sc(s, j) : NULL;
     const int64_t n_pad = cm->n_pad;
