@@ -425,6 +425,44 @@ def test_output_matrix_alone_against_numpy(smollm2_path, tmp_path):
             assert np.array_equal(a, b)
 
 
+def test_dense_inputs_keep_the_repacked_layouts(tmp_path, capfd):
+    """In input mode a matrix whose input runs dense (a negative threshold) computes as in
+    dense mode: in the CPU backend's repacked layout where it has one, up as gate (the two
+    share the FFN's input). Until 2026-12-08 up stayed plain there, and such layers ran up
+    through ggml's row dot products (the 1.5B's 25% copy decoded 10% slower, its 0% copy 12%).
+    The synthetic "small" model is Q4_0, which ggml repacks on x86 and ARM, and a Q4_0 matrix
+    keeps its repacked layout beside a column copy (only K-quants stay plain for ggml's tiled
+    prompts): with layer 0's q/k/v input sparse and the rest dense, both loads repack every
+    matrix."""
+    import gguf
+
+    from powerinfer_py._core.bindings import set_log_level
+    from powerinfer_py.assets.synthetic import PRESETS, generate
+    from powerinfer_py.pipeline.sparsify import write_sparse_model
+
+    src = generate(PRESETS["small"], tmp_path / "m", progress=False)["dense"]
+    n_layer = int(gguf.GGUFReader(src).get_field("llama.block_count").parts[-1][0])
+    taus = np.full((n_layer + 1, len(INPUTS)), -1.0, dtype=np.float32)
+    taus[0, 0] = 0.01
+    out = tmp_path / "qkv0.gguf"
+    write_sparse_model(src, str(out), taus, 0.0, "uniform", progress=False)
+    set_log_level(True)
+    try:
+        capfd.readouterr()
+        counts = []
+        for path, kw in ((src, {"sparse_mode": "dense"}), (str(out), {})):
+            with Model(path, **kw) as m:
+                assert m.sparse_mode() == kw.get("sparse_mode", "input")
+            err = capfd.readouterr().err
+            line = [ln for ln in err.splitlines() if "repacked into" in ln]
+            counts.append(int(line[0].split("powerinfer: ")[1].split()[0]) if line else 0)
+    finally:
+        set_log_level(False)
+    if counts[0] == 0:
+        pytest.skip("the CPU backend repacks no Q4_0 weight on this CPU")
+    assert counts[1] == counts[0], counts
+
+
 @pytest.mark.parametrize("which", ["smollm2", "qwen"])
 def test_bench_counts_the_column_kernels_bytes(which, smollm2_path, qwen_path):
     """The bench's ceiling counts what the column copy reads: every matrix's quants (bits per
