@@ -609,11 +609,12 @@ static int32_t repack_dense_weights(struct powerinfer_model * model) {
         // Rows the sparse operators read one by one stay in the plain mapping.
         const int32_t mode = model->hp.sparse_mode;
         if (l->ffn_gate && mode != POWERINFER_SPARSE_PREDICTOR) PI_REPACK_INPUT(l->ffn_gate, l->ffn_gate_p, POWERINFER_INPUT_FFN);
-        // (input mode: up reads gate's input, so it is repacked as gate is, unless that input
-        // has a column copy; until 2026-12-08 it was left plain there, and a layer whose FFN
-        // input runs dense computed up through ggml's row dot products, not its repacked gemv)
-        if (mode == POWERINFER_SPARSE_DENSE) PI_REPACK_SLOT(l->ffn_up, l->ffn_up_p);
-        if (mode == POWERINFER_SPARSE_INPUT) PI_REPACK_INPUT(l->ffn_up, l->ffn_up_p, POWERINFER_INPUT_FFN);
+        // (up reads gate's input: in input mode it stays plain exactly when gate does; until
+        // 2026-12-08 it was repacked in dense mode only, and a layer whose FFN input runs dense
+        // computed up through ggml's row dot products, not its repacked gemv)
+        if (mode == POWERINFER_SPARSE_DENSE || mode == POWERINFER_SPARSE_INPUT) {
+            PI_REPACK_INPUT(l->ffn_up, l->ffn_up_p, POWERINFER_INPUT_FFN);
+        }
         if (l->ffn_down) PI_REPACK_INPUT(l->ffn_down, l->ffn_down_p, POWERINFER_INPUT_DOWN);
     }
     if (model->output != model->tok_embd && !input_stays_plain(model, model->hp.n_layer, 0, model->output)) {

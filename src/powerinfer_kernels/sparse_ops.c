@@ -559,7 +559,8 @@ static int32_t top_rows(const float * y, int64_t n_y, int32_t k, float * v, int3
 }
 
 // Two ops: the first finds each token's top rows (a token's whole vocabulary per thread) and
-// writes them to a list [T][1 + k] (a count, then the rows); the second computes the listed
+// writes them to a list [T][1 + k] (a count, then the rows: an active list's layout, which
+// next_rows reads); the second computes the listed
 // rows exactly, PI_ROWS_MAX at a time, the groups of every token dealt out to the threads in
 // turn. So with one token both threads share its rows' reads, most of the time, and no
 // thread writes a logit while another still reads them to choose its rows.
@@ -576,25 +577,19 @@ static void head_top_rows_op(struct ggml_tensor * dst, int ith, int nth, void * 
 static void head_exact_rows_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const struct ggml_tensor * w = dst->src[1], * xq = dst->src[2], * lists = dst->src[3];
-    const size_t row_bytes = ggml_row_size(w->type, w->ne[0]);
     int64_t g = 0;  // the group's index over every token's list
     for (int64_t t = 0; t < dst->ne[1]; ++t) {
         float * y = (float *) ((char *) dst->data + t * dst->nb[1]);
-        const int32_t * list = (const int32_t *) ((const char *) lists->data + t * lists->nb[1]);
-        const int32_t n = list[0], * r = list + 1;
+        const int32_t * list = (const int32_t *) ((const char *) lists->data + t * lists->nb[1]);  // as an active list
         const void * y_q = (const char *) xq->data + t * xq->nb[1];
-        for (int32_t j = 0; j < n; j += PI_ROWS_MAX, ++g) {
+        for (int32_t j = 0; j < list[0]; j += PI_ROWS_MAX, ++g) {
             if (g % nth != ith) continue;
-            const int kn = n - j < PI_ROWS_MAX ? (int) (n - j) : PI_ROWS_MAX;
-            const void * rows[PI_ROWS_MAX];
+            const struct pi_next_rows cur = next_rows(w, list, j, list[0], 0, 0);
+            // this thread's next group, when it is this token's
+            const struct pi_next_rows nxt = next_rows(w, list, j + nth * PI_ROWS_MAX, list[0], 0, 0);
             float res[PI_ROWS_MAX];
-            struct pi_next_rows nr = { .k = 0, .bytes = row_bytes };  // this thread's next group, when it is this token's
-            for (int q = 0; q < kn; ++q) rows[q] = (const char *) w->data + (size_t) r[j + q] * w->nb[1];
-            for (int32_t q = j + nth * PI_ROWS_MAX; q < n && nr.k < PI_ROWS_MAX; ++q) {
-                nr.rows[nr.k++] = (const char *) w->data + (size_t) r[q] * w->nb[1];
-            }
-            pi_rows_dot(w->type, w->ne[0], rows, kn, y_q, res, nr.k ? &nr : NULL);
-            for (int q = 0; q < kn; ++q) y[r[j + q]] = res[q];
+            pi_rows_dot(w->type, w->ne[0], cur.rows, cur.k, y_q, res, &nxt);
+            for (int q = 0; q < cur.k; ++q) y[list[1 + j + q]] = res[q];
         }
     }
 }
